@@ -1,0 +1,62 @@
+"""Parameters, linear layers and norms shared by every layer.
+
+Parameters carry their logical axis names as `logical_axes` metadata (DESIGN.md section 4); the
+sharding package maps those names to mesh axes. Linear kernels are stored [in, out] (the checkpoint's
+[out, in] transposed) and every projection is bias-free.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs | None, shape, axes: tuple[str, ...], dtype, init: str = "normal",
+          stddev: float | None = None) -> nnx.Param:
+    """A parameter with logical axes; `init` is "normal" (fan-in scaled unless stddev), "ones" or "zeros".
+
+    Without rngs the value is zeros of the right shape: used for abstract models that a checkpoint
+    fills in (under nnx.eval_shape nothing is allocated at all).
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {shape}")
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros" or rngs is None:
+        value = jnp.zeros(shape, dtype)
+    elif init == "normal":
+        std = stddev if stddev is not None else shape[0] ** -0.5
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    else:
+        raise ValueError(f"unknown init {init!r}")
+    return nnx.Param(value, logical_axes=axes)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, kernel [in, out]; fp32 accumulation, output in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, axes: tuple[str, str], *, dtype, rngs,
+                 stddev: float | None = None):
+        self.kernel = param(rngs, (in_features, out_features), axes, dtype, stddev=stddev)
+
+    def __call__(self, x, out_dtype=None):
+        y = jnp.dot(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return y.astype(out_dtype or x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """w * x / sqrt(mean(x^2) + eps), computed in fp32 (weight used as stored, no 1 + w offset)."""
+
+    def __init__(self, size: int, eps: float, *, dtype, axis_name: str = "norm"):
+        self.weight = param(None, (size,), (axis_name,), dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x, out_dtype=None):
+        return rms_norm(x, self.weight[...], self.eps, out_dtype or x.dtype)
+
+
+def rms_norm(x, weight, eps: float, out_dtype):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(out_dtype)

@@ -1,0 +1,131 @@
+"""Gated Multi-head Latent Attention (spec section 2.5): NoPE by default, sigmoid output gate.
+
+Prefill uses the naive form (keys and values expanded per head from the latent); one-token decode
+uses the absorbed form straight over the latent cache of [normalised latent | shared key] rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.layers.common import Linear, RMSNorm
+from pallas_kernels import mla as mla_ops
+
+
+class MLACache(NamedTuple):
+    """Contiguous latent cache per sequence (paging is the serving engine's business)."""
+
+    latent: jax.Array  # [B, max_len, kv_lora_rank + qk_rope_head_dim]
+
+    @staticmethod
+    def zeros(cfg: K3Config, batch: int, max_len: int, dtype) -> "MLACache":
+        return MLACache(jnp.zeros((batch, max_len, cfg.mla_cache_width), dtype))
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    def __init__(self, cfg: K3Config, *, dtype, rngs):
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.cfg = cfg
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, ("embed", "q_lora"), dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, ("q_lora", "heads"),
+                                   dtype=dtype, rngs=rngs)
+        else:
+            self.q_proj = Linear(h, heads * cfg.qk_head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.mla_cache_width, ("embed", "kv_latent"), dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                ("kv_lora", "heads"), dtype=dtype, rngs=rngs)
+        if cfg.mla_use_output_gate:
+            self.g_proj = Linear(h, heads * cfg.v_head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(heads * cfg.v_head_dim, h, ("heads", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cache: MLACache | None, offsets):
+        """x [B, T, H] holds positions offsets[b] + t; the cache (if any) holds the offsets[b] before.
+
+        Returns (out [B, T, H], new cache or None). Right padding needs no mask: padded positions sit
+        after every real one, so causality hides them; their cache rows are overwritten later.
+        """
+        cfg = self.cfg
+        b, t, _ = x.shape
+        heads, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q = q.reshape(b, t, heads, cfg.qk_head_dim)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_rope = kv[..., :cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
+        latent = self.kv_a_layernorm(latent)
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        if not cfg.mla_use_nope:
+            positions = offsets[:, None] + jnp.arange(t)[None, :]
+            q_rope = rope_interleaved(q_rope, positions[:, :, None], cfg.rope_theta)
+            k_rope = rope_interleaved(k_rope, positions, cfg.rope_theta)
+        new_rows = jnp.concatenate([latent, k_rope], axis=-1)  # [B, T, C]
+        scale = cfg.qk_head_dim ** -0.5
+
+        if cache is None:
+            o = self._naive(q_nope, q_rope, new_rows, jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32), scale)
+        else:
+            rows = cache.latent.at[jnp.arange(b)[:, None], offsets[:, None] + jnp.arange(t)[None, :]].set(
+                new_rows.astype(cache.latent.dtype), mode="drop")
+            cache = MLACache(rows)
+            if t == 1:
+                o = self._absorbed(q_nope[:, 0], q_rope[:, 0], rows, offsets + 1, scale)[:, None]
+            else:
+                o = self._naive(q_nope, q_rope, rows, offsets, offsets + t, scale)
+        o = o.reshape(b, t, heads * cfg.v_head_dim)
+        if cfg.mla_use_output_gate:
+            o = (o * jax.nn.sigmoid(self.g_proj(x))).astype(x.dtype)
+        return self.o_proj(o), cache
+
+    def _up_weights(self):
+        """kv_b_proj split per head: W_UK [C_lat, heads, nope] and W_UV [C_lat, heads, v]."""
+        cfg = self.cfg
+        w = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_attention_heads,
+                                               cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
+
+    def _naive(self, q_nope, q_rope, rows, q_offset, kv_length, scale):
+        cfg = self.cfg
+        w_uk, w_uv = self._up_weights()
+        latent, k_rope = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
+        latent = latent.astype(q_nope.dtype)
+        k_nope = jnp.einsum("bsc,chn->bshn", latent, w_uk.astype(latent.dtype),
+                            preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        v = jnp.einsum("bsc,chv->bshv", latent, w_uv.astype(latent.dtype),
+                       preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(q_nope.dtype), (*k_nope.shape[:3], k_rope.shape[-1]))
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k = jnp.concatenate([k_nope, k_rope], axis=-1)
+        return mla_ops.causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale)
+
+    def _absorbed(self, q_nope, q_rope, rows, kv_length, scale):
+        """q_nope [B, heads, nope], q_rope [B, heads, rope] -> [B, heads, v] over the latent rows."""
+        w_uk, w_uv = self._up_weights()
+        q_latent = jnp.einsum("bhn,chn->bhc", q_nope, w_uk.astype(q_nope.dtype),
+                              preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        q_full = jnp.concatenate([q_latent, q_rope], axis=-1)
+        out_latent = mla_ops.latent_decode_attention(q_full, rows.astype(q_full.dtype), kv_length=kv_length,
+                                                     scale=scale, value_width=self.cfg.kv_lora_rank)
+        return jnp.einsum("bhc,chv->bhv", out_latent, w_uv.astype(out_latent.dtype),
+                          preferred_element_type=jnp.float32).astype(q_nope.dtype)
+
+
+def rope_interleaved(x, positions, theta: float):
+    """Rotary embedding on adjacent pairs (x[2i], x[2i+1]) as DeepSeek's MLA uses (vLLM is_neox_style=False).
+
+    x [..., D] with D even; positions broadcastable to x.shape[:-1].
+    """
+    d = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x32 = x.astype(jnp.float32)
+    even, odd = x32[..., 0::2], x32[..., 1::2]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)

@@ -1,0 +1,103 @@
+"""Gated MLA: NumPy reference of spec 2.5, naive == absorbed, cache continuation, and the kernels' paths."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.layers.mla import MLACache, MultiHeadLatentAttention, rope_interleaved
+from pallas_kernels import mla as mla_ops
+from pallas_kernels.mla import reference, xla
+
+RTOL = 2e-5  # fp32 end to end; differences are reassociation only
+
+
+def _layer(**changes):
+    cfg = K3Config.from_preset("k3-tiny").replace(**changes)
+    return cfg, MultiHeadLatentAttention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def np_mla(layer, cfg, x):
+    """Spec 2.5 in float64 for one sequence x [T, H] (NoPE)."""
+    w = lambda lin: np.asarray(lin.kernel[...], np.float64)  # noqa: E731
+    norm = lambda v, g: v / np.sqrt(np.mean(v ** 2, -1, keepdims=True) + cfg.rms_norm_eps) * np.asarray(g[...])  # noqa
+    t, heads = x.shape[0], cfg.num_attention_heads
+    c_q = norm(x @ w(layer.q_a_proj), layer.q_a_layernorm.weight)
+    q = (c_q @ w(layer.q_b_proj)).reshape(t, heads, cfg.qk_head_dim)
+    kv = x @ w(layer.kv_a_proj_with_mqa)
+    c_kv = norm(kv[:, :cfg.kv_lora_rank], layer.kv_a_layernorm.weight)
+    k_r = kv[:, cfg.kv_lora_rank:]
+    kvb = (c_kv @ w(layer.kv_b_proj)).reshape(t, heads, -1)
+    k = np.concatenate([kvb[..., :cfg.qk_nope_head_dim], np.broadcast_to(k_r[:, None], (t, heads, k_r.shape[-1]))], -1)
+    v = kvb[..., cfg.qk_nope_head_dim:]
+    logits = np.einsum("thd,shd->hts", q, k) / np.sqrt(cfg.qk_head_dim)
+    logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = np.einsum("hts,shd->thd", p, v).reshape(t, -1)
+    o = o / (1 + np.exp(-(x @ w(layer.g_proj))))
+    return o @ w(layer.o_proj)
+
+
+def test_prefill_matches_numpy():
+    cfg, layer = _layer()
+    x = np.random.default_rng(0).standard_normal((2, 9, cfg.hidden_size)).astype(np.float32)
+    with jax.default_matmul_precision("highest"):
+        out, _ = layer(jnp.asarray(x), None, jnp.zeros((2,), jnp.int32))
+    for b in range(2):
+        np.testing.assert_allclose(out[b], np_mla(layer, cfg, x[b].astype(np.float64)), rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_nope", [True, False])
+def test_decode_absorbed_equals_prefill_naive(use_nope):
+    cfg, layer = _layer(mla_use_nope=use_nope)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 7, cfg.hidden_size)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        full, _ = layer(x, MLACache.zeros(cfg, 2, 16, jnp.float32), jnp.zeros((2,), jnp.int32))
+        cache = MLACache.zeros(cfg, 2, 16, jnp.float32)
+        part, cache = layer(x[:, :4], cache, jnp.zeros((2,), jnp.int32))  # naive over the cache
+        steps = [part]
+        for t in range(4, 7):  # absorbed, one token at a time
+            o, cache = layer(x[:, t:t + 1], cache, jnp.full((2,), t, jnp.int32))
+            steps.append(o)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=RTOL, atol=1e-5)
+
+
+def test_rope_rotates_adjacent_pairs():
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 8)), jnp.float32)
+    pos = jnp.asarray([0, 1, 5])
+    out = np.asarray(rope_interleaved(x, pos, 10000.0))
+    ref = np.asarray(x).copy()
+    for i, p in enumerate([0, 1, 5]):
+        for j in range(4):
+            a = p * 10000.0 ** (-2 * j / 8)
+            e, o = x[i, 2 * j], x[i, 2 * j + 1]
+            ref[i, 2 * j], ref[i, 2 * j + 1] = e * np.cos(a) - o * np.sin(a), o * np.cos(a) + e * np.sin(a)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_xla_attention_equals_reference():
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 5, 3, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 40, 3, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 40, 3, 4)), jnp.float32)
+    kw = dict(q_offset=jnp.asarray([30, 0]), kv_length=jnp.asarray([35, 3]), scale=0.3)
+    np.testing.assert_allclose(xla.causal_attention(q, k, v, kv_block=16, **kw),
+                               reference.causal_attention(q, k, v, **kw), rtol=1e-5, atol=1e-6)
+    ql = jnp.asarray(rng.standard_normal((2, 3, 12)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((2, 40, 12)), jnp.float32)
+    kw = dict(kv_length=jnp.asarray([40, 17]), scale=0.3, value_width=10)
+    np.testing.assert_allclose(xla.latent_decode_attention(ql, cache, kv_block=16, **kw),
+                               reference.latent_decode_attention(ql, cache, **kw), rtol=1e-5, atol=1e-6)
+
+
+def test_api_rejects_bad_arguments():
+    q = jnp.zeros((1, 2, 3, 8))
+    with pytest.raises(ValueError, match="must be"):
+        mla_ops.causal_attention(q, jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 4)), q_offset=jnp.zeros(1, int),
+                                 kv_length=jnp.ones(1, int), scale=1.0)
+    with pytest.raises(ValueError, match="unknown impl"):
+        mla_ops.latent_decode_attention(jnp.zeros((1, 2, 4)), jnp.zeros((1, 3, 4)), kv_length=jnp.ones(1, int),
+                                        scale=1.0, value_width=2, impl="cuda")
