@@ -66,7 +66,9 @@ class K3Config:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    mla_use_nope: bool = False
+    # vLLM's default is False, but every released Kimi model is NoPE and transformers' Kimi Linear
+    # never rotates (its saved configs carry no such key): RoPE only when a config asks for it.
+    mla_use_nope: bool = True
     mla_use_output_gate: bool = False
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096

@@ -1,0 +1,228 @@
+"""The decoder stack: embedding, layers grouped by their repeating pattern and scanned, final read,
+norm and LM head. One forward serves full-sequence, prefill and decode calls (spec section 2).
+
+Layers are grouped into segments: a pattern of (attention, mlp) kinds repeated `repeats` times, with
+the parameters of each pattern position stacked on a leading axis and run under `lax.scan`, so
+compile time follows the number of distinct patterns, not the depth (93 layers for K3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import DENSE, KDA, K3Config
+from k3jax.layers import attn_res
+from k3jax.layers.common import Linear, RMSNorm, param
+from k3jax.layers.ffn import MoE, GatedMLP
+from k3jax.layers.kda import KDACache, KimiDeltaAttention
+from k3jax.layers.mla import MLACache, MultiHeadLatentAttention
+
+MAX_PATTERN = 8  # the longest repeating unit searched for
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    start: int  # first layer index
+    kinds: tuple[tuple[str, str], ...]  # (attention, mlp) kind of each pattern position
+    repeats: int
+
+    def layer_index(self, position: int, repeat: int) -> int:
+        return self.start + repeat * len(self.kinds) + position
+
+
+def plan_segments(cfg: K3Config) -> tuple[Segment, ...]:
+    """Greedy cover of the layer kinds by repeated patterns (longest coverage first, then shortest pattern).
+
+    K3's 93 layers become [dense KDA] + 22 x [KDA, KDA, MLA, KDA] + 2 x [KDA] + 2 x [MLA].
+    """
+    kinds = cfg.layer_kinds()
+    segments, i = [], 0
+    while i < len(kinds):
+        best = (1, 1)  # (period, repeats)
+        for period in range(1, MAX_PATTERN + 1):
+            unit = kinds[i:i + period]
+            if len(unit) < period:
+                break
+            repeats = 1
+            while kinds[i + repeats * period:i + (repeats + 1) * period] == unit:
+                repeats += 1
+            if repeats > 1 and period * repeats > best[0] * best[1]:
+                best = (period, repeats)
+        period, repeats = best
+        segments.append(Segment(i, kinds[i:i + period], repeats))
+        i += period * repeats
+    return _merge_singletons(segments)
+
+
+def _merge_singletons(segments: list[Segment]) -> tuple[Segment, ...]:
+    """Adjacent unrepeated layers become one unrepeated segment (one trace either way, fewer scans)."""
+    merged: list[Segment] = []
+    for seg in segments:
+        if merged and seg.repeats == 1 and merged[-1].repeats == 1:
+            prev = merged.pop()
+            seg = Segment(prev.start, prev.kinds + seg.kinds, 1)
+        merged.append(seg)
+    return tuple(merged)
+
+
+class Batch(NamedTuple):
+    """Per-call metadata: which of the T new tokens are real, and where each sequence starts."""
+
+    valid: jax.Array  # [B, T] bool; right padding is False
+    lengths: jax.Array  # [B] int32: real new tokens per sequence
+    offsets: jax.Array  # [B] int32: tokens already in the cache
+
+
+class DecodeState(NamedTuple):
+    """Caches for every layer, grouped like the segments (stacked [repeats, ...]), and sequence lengths."""
+
+    layers: tuple  # per segment: tuple over pattern positions of KDACache | MLACache
+    lengths: jax.Array  # [B] int32
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: K3Config, attn: str, mlp: str, *, dtype, rngs):
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(h, eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype)
+        if cfg.attn_res:
+            self.self_attention_res = attn_res.AttnResQuery(h, dtype=dtype, rngs=rngs)
+            self.mlp_res = attn_res.AttnResQuery(h, dtype=dtype, rngs=rngs)
+        if attn == KDA:
+            self.self_attn = KimiDeltaAttention(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = MultiHeadLatentAttention(cfg, dtype=dtype, rngs=rngs)
+        if mlp == DENSE:
+            self.mlp = GatedMLP(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        else:
+            self.block_sparse_moe = MoE(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, stream, layer_index, cache, batch: Batch):
+        cfg = self.cfg
+        dtype = self.input_layernorm.weight.dtype
+        if cfg.attn_res:
+            stream, mix = attn_res.attention_read(stream, layer_index, cfg.attn_res_block_size,
+                                                  self.self_attention_res, cfg.rms_norm_eps)
+            x = self.input_layernorm(mix, dtype)
+        else:
+            x = self.input_layernorm(stream)
+        if isinstance(self.self_attn, KimiDeltaAttention):
+            a, cache = self.self_attn(x, cache, batch.valid, batch.lengths)
+        else:
+            a, cache = self.self_attn(x, cache, batch.offsets)
+        if cfg.attn_res:
+            stream, mix = attn_res.ffn_read(stream, a, layer_index, cfg.attn_res_block_size, self.mlp_res,
+                                            cfg.rms_norm_eps)
+            x = self.post_attention_layernorm(mix, dtype)
+        else:
+            stream = stream + a
+            x = self.post_attention_layernorm(stream)
+        f = self.mlp(x) if hasattr(self, "mlp") else self.block_sparse_moe(x)
+        stream = stream._replace(d=f) if cfg.attn_res else stream + f
+        return stream, cache
+
+
+class SegmentLayers(nnx.Module):
+    """The layers of one segment: one module per pattern position, parameters stacked over repeats."""
+
+    def __init__(self, cfg: K3Config, segment: Segment, *, dtype, rngs):
+        self.layers = nnx.List([_stacked(cfg, attn, mlp, segment.repeats, dtype, rngs) for attn, mlp in segment.kinds])
+
+
+def _stacked(cfg, attn, mlp, repeats, dtype, rngs):
+    copies = [DecoderLayer(cfg, attn, mlp, dtype=dtype, rngs=rngs) for _ in range(repeats)]
+    graphdef, first = nnx.split(copies[0])
+    states = [first] + [nnx.split(m)[1] for m in copies[1:]]
+
+    def stack(*variables):
+        v = variables[0]
+        return v.replace(jnp.stack([u[...] for u in variables]), logical_axes=("layers",) + v.logical_axes)
+
+    stacked = jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, stacked)
+
+
+class K3Transformer(nnx.Module):
+    """The text decoder as an NNX module; use it functionally through `forward` (caches live outside)."""
+
+    def __init__(self, cfg: K3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.plan = plan_segments(cfg)
+        self.embed_tokens = param(rngs, (cfg.vocab_size, h), ("vocab", "embed"), dtype, stddev=1.0)
+        self.segments = nnx.List([SegmentLayers(cfg, seg, dtype=dtype, rngs=rngs) for seg in self.plan])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.attn_res:
+            self.output_attn_res = attn_res.AttnResQuery(h, dtype=dtype, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(h, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.dtype
+
+    def __call__(self, tokens, lengths=None, cache: DecodeState | None = None):
+        """tokens [B, T] (right-padded), lengths [B] real tokens (default T) -> (logits f32 [B, T, V], cache)."""
+        cfg = self.cfg
+        b, t = tokens.shape
+        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        offsets = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
+        batch = Batch(jnp.arange(t)[None, :] < lengths[:, None], lengths, offsets)
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        stream = attn_res.start_stream(x, cfg.num_attn_res_blocks) if cfg.attn_res else x
+        new_layers = []
+        for seg, layers, seg_cache in zip(self.plan, self.segments, cache.layers if cache else [None] * len(self.plan)):
+            stream, seg_cache = _run_segment(seg, layers, stream, seg_cache, batch)
+            new_layers.append(seg_cache)
+        if cfg.attn_res:
+            h = attn_res.final_read(stream, self.output_attn_res, cfg.rms_norm_eps).astype(x.dtype)
+        else:
+            h = stream
+        h = self.norm(h)
+        if cfg.tie_word_embeddings:
+            logits = jnp.dot(h, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
+        else:
+            logits = self.lm_head(h, jnp.float32)
+        if cfg.logit_scale != 1.0:
+            logits = logits * cfg.logit_scale
+        new_cache = DecodeState(tuple(new_layers), offsets + lengths) if cache is not None else None
+        return logits, new_cache
+
+
+def _run_segment(seg: Segment, layers: SegmentLayers, stream, seg_cache, batch: Batch):
+    graphdef, state = nnx.split(layers.layers)
+    period = len(seg.kinds)
+    first_index = seg.start + period * jnp.arange(seg.repeats, dtype=jnp.int32)
+
+    def body(stream, xs):
+        state_r, cache_r, base = xs
+        stacked = nnx.merge(graphdef, state_r)
+        caches = []
+        for j, layer in enumerate(stacked):
+            stream, c = layer(stream, base + j, cache_r[j] if cache_r is not None else None, batch)
+            caches.append(c)
+        return stream, tuple(caches) if cache_r is not None else None
+
+    if seg.repeats == 1:  # no scan for a single repeat: slice the stacked axis away
+        take = lambda a: a[0]  # noqa: E731
+        stream, out = body(stream, jax.tree.map(take, (state, seg_cache, first_index)))
+        return stream, jax.tree.map(lambda a: a[None], out)
+    return jax.lax.scan(body, stream, (state, seg_cache, first_index))
+
+
+def init_cache(cfg: K3Config, batch: int, max_len: int, dtype) -> DecodeState:
+    """Empty caches for `batch` sequences of at most `max_len` tokens."""
+    layers = []
+    for seg in plan_segments(cfg):
+        caches = []
+        for attn, _ in seg.kinds:
+            one = KDACache.zeros(cfg, batch, dtype) if attn == KDA else MLACache.zeros(cfg, batch, max_len, dtype)
+            caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (seg.repeats, *a.shape)), one))
+        layers.append(tuple(caches))
+    return DecodeState(tuple(layers), jnp.zeros((batch,), jnp.int32))

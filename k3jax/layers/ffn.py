@@ -1,0 +1,147 @@
+"""Feed-forward sub-layers: the dense gated MLP (SiTU or SiLU) and the MoE block with LatentMoE
+(spec sections 2.6 and 2.7)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.layers.common import Linear, RMSNorm, param
+from pallas_kernels import moe as moe_ops
+from pallas_kernels.activations import GatedActivation
+from pallas_kernels.moe import Mxfp4Tensor
+
+# E2M1 codes spread over all 16 values have RMS sqrt(mean(v^2)) ~= 2.93; used to pick random scales.
+_E2M1_RMS = 2.93
+
+
+def gated_activation(cfg: K3Config) -> GatedActivation:
+    if cfg.hidden_act == "silu":
+        return GatedActivation("silu", None, None)
+    # vLLM's dense and shared MLPs fall back to beta 1.0 when the key is absent (the routed path
+    # requires it; K3Config validates that).
+    return GatedActivation("situ", cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta)
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x), up(x))): the dense layer-0 MLP and the shared experts."""
+
+    def __init__(self, cfg: K3Config, width: int, *, dtype, rngs):
+        h = cfg.hidden_size
+        self.activation = gated_activation(cfg)
+        self.gate_proj = Linear(h, width, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(h, width, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(width, h, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        hidden = self.activation(self.gate_proj(x), self.up_proj(x)).astype(x.dtype)
+        return self.down_proj(hidden)
+
+
+class RoutedExperts(nnx.Module):
+    """Expert weights stacked [E, out, in] in the checkpoint's orientation: MXFP4 packs along `in`.
+
+    K3's experts stay MXFP4 (packed codes + E8M0 scales, decoded inside the expert matmul); Kimi
+    Linear's are plain arrays.
+    """
+
+    def __init__(self, cfg: K3Config, *, dtype, rngs):
+        e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_input_size
+        self.w1 = nnx.data(_expert_weight(cfg, (e, f, d), ("experts", "expert_mlp", "expert_embed"), dtype, rngs))
+        self.w3 = nnx.data(_expert_weight(cfg, (e, f, d), ("experts", "expert_mlp", "expert_embed"), dtype, rngs))
+        self.w2 = nnx.data(_expert_weight(cfg, (e, d, f), ("experts", "expert_embed", "expert_mlp"), dtype, rngs))
+
+    def __call__(self, x, topk_ids, topk_weights, activation):
+        return moe_ops.moe_ffn(x, topk_ids, topk_weights, _value(self.w1), _value(self.w3), _value(self.w2),
+                               activation=activation)
+
+
+def _expert_weight(cfg, shape, axes, dtype, rngs):
+    e, out, inp = shape
+    if not cfg.experts_mxfp4:
+        return param(rngs, shape, axes, dtype, stddev=inp ** -0.5)
+    if rngs is None:
+        codes = jnp.zeros((e, out, inp // 2), jnp.uint8)
+        scales = jnp.full((e, out, inp // 32), 127, jnp.uint8)
+    else:  # random codes with a power-of-two scale giving roughly fan-in-scaled weights
+        codes = jax.random.randint(rngs.params(), (e, out, inp // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        exponent = 127 + round(float(jnp.log2(inp ** -0.5 / _E2M1_RMS)))
+        scales = jnp.full((e, out, inp // 32), exponent, jnp.uint8)
+    return Mxfp4Tensor(nnx.Param(codes, logical_axes=axes), nnx.Param(scales, logical_axes=axes))
+
+
+def _value(w):
+    return Mxfp4Tensor(w.packed[...], w.scales[...]) if isinstance(w, Mxfp4Tensor) else w[...]
+
+
+class MoE(nnx.Module):
+    """Router, routed experts (in the latent space when LatentMoE is on) and shared experts."""
+
+    def __init__(self, cfg: K3Config, *, dtype, rngs):
+        self.cfg = cfg
+        self.activation = gated_activation(cfg)
+        self.gate = Router(cfg, dtype=dtype, rngs=rngs)
+        if cfg.latent_moe:
+            lat = cfg.routed_expert_hidden_size
+            self.routed_expert_down_proj = Linear(cfg.hidden_size, lat, ("embed", "latent"), dtype=dtype, rngs=rngs)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(lat, cfg.rms_norm_eps, dtype=dtype)
+            self.routed_expert_up_proj = Linear(lat, cfg.hidden_size, ("latent", "embed"), dtype=dtype, rngs=rngs)
+        self.experts = RoutedExperts(cfg, dtype=dtype, rngs=rngs)
+        if cfg.num_shared_experts:
+            self.shared_experts = GatedMLP(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size,
+                                           dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        cfg = self.cfg
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        topk_ids, topk_weights = self.gate(x)
+        z = self.routed_expert_down_proj(x) if cfg.latent_moe else x
+        routed = self.experts(z, topk_ids, topk_weights, self.activation)  # fp32, summed over the top-k
+        if cfg.latent_moe:
+            # The norm sees the full latent sum (never per-shard partials), then the up projection.
+            routed = self.routed_expert_norm(routed, x.dtype) if cfg.latent_moe_use_norm else routed.astype(x.dtype)
+            routed = self.routed_expert_up_proj(routed)
+        out = routed.astype(x.dtype)
+        if cfg.num_shared_experts:
+            out = out + self.shared_experts(x)  # shared experts read the un-projected x
+        return out.reshape(shape)
+
+
+class Router(nnx.Module):
+    """fp32 sigmoid (or softmax) scores; e_score_correction_bias affects selection only."""
+
+    def __init__(self, cfg: K3Config, *, dtype, rngs):
+        self.cfg = cfg
+        self.kernel = param(rngs, (cfg.hidden_size, cfg.num_experts), ("embed", "experts_replicated"), dtype)
+        self.e_score_correction_bias = param(None, (cfg.num_experts,), ("experts_replicated",), jnp.float32,
+                                             init="zeros")
+
+    def __call__(self, x):
+        """x [T, H] -> (topk_ids int32 [T, k], topk_weights f32 [T, k])."""
+        return route(x, self.kernel[...], self.e_score_correction_bias[...], self.cfg)
+
+
+def route(x, kernel, bias, cfg: K3Config):
+    logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32))
+    if cfg.moe_router_activation_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores + bias
+    if cfg.use_grouped_topk and cfg.num_expert_group > 1:
+        t = x.shape[0]
+        grouped = choice.reshape(t, cfg.num_expert_group, -1)
+        top2 = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0]
+        group_scores = jnp.sum(top2, axis=-1)  # a group scores the sum of its top-2 biased scores
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        kept = jnp.zeros_like(group_scores, bool).at[jnp.arange(t)[:, None], keep].set(True)
+        choice = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(t, -1)
+    _, topk_ids = jax.lax.top_k(choice, cfg.num_experts_per_token)  # ties: lower index wins
+    weights = jnp.take_along_axis(scores, topk_ids, axis=-1)
+    if cfg.moe_renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return topk_ids.astype(jnp.int32), weights * cfg.routed_scaling_factor

@@ -1,0 +1,113 @@
+"""Kimi Delta Attention layer (spec section 2.4): projections, short conv, gate, delta rule, gated norm."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.layers.common import Linear, param, rms_norm
+from pallas_kernels import kda as kda_ops
+
+
+class KDACache(NamedTuple):
+    """Per-sequence KDA state: the last conv_size-1 pre-conv q|k|v rows and the fp32 recurrent state."""
+
+    conv: jax.Array  # [B, conv_size - 1, 3 * P], activation dtype
+    state: jax.Array  # [B, heads, head_dim (K), head_dim (V)], float32
+
+    @staticmethod
+    def zeros(cfg: K3Config, batch: int, dtype) -> "KDACache":
+        p, d = cfg.kda_projection_size, cfg.kda_head_dim
+        return KDACache(jnp.zeros((batch, cfg.kda_conv_size - 1, 3 * p), dtype),
+                        jnp.zeros((batch, cfg.kda_num_heads, d, d), jnp.float32))
+
+
+class KimiDeltaAttention(nnx.Module):
+    def __init__(self, cfg: K3Config, *, dtype, rngs):
+        h, p, d, heads = cfg.hidden_size, cfg.kda_projection_size, cfg.kda_head_dim, cfg.kda_num_heads
+        self.cfg = cfg
+        self.q_proj = Linear(h, p, ("embed", "kda_heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, p, ("embed", "kda_heads"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, p, ("embed", "kda_heads"), dtype=dtype, rngs=rngs)
+        if cfg.kda_full_rank_gate:
+            self.g_proj = Linear(h, p, ("embed", "kda_heads"), dtype=dtype, rngs=rngs)
+        else:
+            self.g_a_proj = Linear(h, d, ("embed", "kda_rank"), dtype=dtype, rngs=rngs)
+            self.g_b_proj = Linear(d, p, ("kda_rank", "kda_heads"), dtype=dtype, rngs=rngs)
+        self.f_a_proj = Linear(h, d, ("embed", "kda_rank"), dtype=dtype, rngs=rngs)
+        self.f_b_proj = Linear(d, p, ("kda_rank", "kda_heads"), dtype=dtype, rngs=rngs)
+        self.b_proj = Linear(h, heads, ("embed", "kda_head_count"), dtype=dtype, rngs=rngs)
+        conv_shape, conv_axes = (cfg.kda_conv_size, p), ("conv_tap", "kda_heads")
+        self.q_conv1d = param(rngs, conv_shape, conv_axes, jnp.float32, stddev=0.5)
+        self.k_conv1d = param(rngs, conv_shape, conv_axes, jnp.float32, stddev=0.5)
+        self.v_conv1d = param(rngs, conv_shape, conv_axes, jnp.float32, stddev=0.5)
+        # Gate parameters kept in fp32 as in the checkpoint. A_log: one entry per head (the
+        # checkpoint may store more; only the first `heads` are used, as vLLM and SGLang do).
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, heads, dtype=jnp.float32)),
+                               logical_axes=("kda_head_count",))
+        self.dt_bias = param(None, (p,), ("kda_heads",), jnp.float32, init="zeros")
+        self.o_norm = param(None, (d,), ("norm",), jnp.float32, init="ones")
+        self.o_proj = Linear(p, h, ("kda_heads", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cache: KDACache | None, valid, lengths):
+        """x [B, T, H]; valid [B, T] marks real tokens (right padding is False); lengths [B] = valid count.
+
+        Returns (out [B, T, H], new cache or None). Padded tokens leave the state untouched.
+        """
+        cfg = self.cfg
+        b, t, _ = x.shape
+        heads, d = cfg.kda_num_heads, cfg.kda_head_dim
+        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        prev = cache.conv if cache is not None else jnp.zeros((b, cfg.kda_conv_size - 1, qkv.shape[-1]), x.dtype)
+        window = jnp.concatenate([prev.astype(x.dtype), qkv], axis=1)  # [B, W-1+T, 3P]
+        weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+        qkv = _causal_conv_silu(window, weight, t).astype(x.dtype)
+        q, k, v = (a.reshape(b, t, heads, d) for a in jnp.split(qkv, 3, axis=-1))
+
+        g = self._log_decay(x)
+        beta = jax.nn.sigmoid(self.b_proj(x, jnp.float32))
+        g = jnp.where(valid[:, :, None, None], g, 0.0)  # padding: no decay and no write
+        beta = jnp.where(valid[:, :, None], beta, 0.0)
+        initial = cache.state if cache is not None else None
+        kernel = kda_ops.fused_recurrent_kda if t == 1 else kda_ops.chunk_kda
+        o, state = kernel(q, k, v, g, beta, initial_state=initial, output_final_state=cache is not None,
+                          use_qk_l2norm_in_kernel=True)
+
+        gate = self.g_proj(x) if cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = gate.reshape(b, t, heads, d).astype(jnp.float32)
+        y = rms_norm(o, self.o_norm[...], cfg.kda_output_norm_eps, jnp.float32) * jax.nn.sigmoid(gate)
+        out = self.o_proj(y.astype(x.dtype).reshape(b, t, heads * d))
+        if cache is None:
+            return out, None
+        # The next call's conv window: the conv_size-1 rows ending at each sequence's last real token.
+        rows = lengths[:, None] + jnp.arange(cfg.kda_conv_size - 1)[None, :]
+        conv = jnp.take_along_axis(window, rows[:, :, None], axis=1)
+        return out, KDACache(conv.astype(cache.conv.dtype), state)
+
+    def _log_decay(self, x):
+        """Per-channel log decay g [B, T, heads, head_dim] in fp32 (always <= 0)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        f = self.f_b_proj(self.f_a_proj(x), jnp.float32) + self.dt_bias[...]
+        f = f.reshape(b, t, cfg.kda_num_heads, cfg.kda_head_dim)
+        a = jnp.exp(self.A_log[...])[:, None]  # [heads, 1]
+        if cfg.kda_gate_lower_bound is not None:  # K3's "safe gate": g in (lower_bound, 0)
+            return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a * f)
+        softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))  # Kimi Linear
+        return -a * softplus
+
+
+def _causal_conv_silu(window, weight, t: int):
+    """Depthwise causal conv + SiLU in fp32: out[t] = silu(sum_j weight[j] * window[t + j]).
+
+    window [B, W-1+T, C] (the previous W-1 inputs, then the T new ones); weight [W, C], the last tap
+    multiplying the current token.
+    """
+    w = weight.shape[0]
+    window = window.astype(jnp.float32)
+    acc = sum(window[:, j:j + t] * weight[j] for j in range(w))
+    return jax.nn.silu(acc)

@@ -1,0 +1,94 @@
+"""K3Model: the public handle on a loaded decoder (config, parameters, jitted forward functions)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.decoder import DecodeState, K3Transformer, init_cache
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+def resolve_dtype(dtype):
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames="cache")
+def _forward(graphdef, params, tokens, lengths, cache):
+    return nnx.merge(graphdef, params)(tokens, lengths, cache)
+
+
+class K3Model:
+    """A K3 / Kimi Linear text decoder: `logits` for full forwards, `prefill` + `decode` for generation.
+
+    The parameters are an nnx.State (`params`) and the module structure a GraphDef (`graphdef`); every
+    call is a pure jitted function of both, with the caches passed in and returned (and donated).
+    """
+
+    def __init__(self, config: K3Config, graphdef, params):
+        self.config = config
+        self.graphdef = graphdef
+        self.params = params
+
+    @classmethod
+    def from_module(cls, module: K3Transformer) -> "K3Model":
+        graphdef, params = nnx.split(module)
+        return cls(module.cfg, graphdef, params)
+
+    @classmethod
+    def random(cls, config: K3Config, *, dtype="float32", seed: int = 0) -> "K3Model":
+        """Randomly initialised weights (tests, notebooks, benchmarks)."""
+        return cls.from_module(K3Transformer(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed)))
+
+    @property
+    def dtype(self):
+        return self.params["embed_tokens"][...].dtype
+
+    def logits(self, input_ids, lengths=None) -> np.ndarray:
+        """Full causal forward without a cache: float32 [B, T, vocab]."""
+        tokens, lengths = self._tokens(input_ids, lengths)
+        logits, _ = _forward(self.graphdef, self.params, tokens, lengths, None)
+        return np.asarray(logits)
+
+    def init_cache(self, batch: int, max_len: int) -> DecodeState:
+        return init_cache(self.config, batch, max_len, self.dtype)
+
+    def prefill(self, input_ids, lengths=None, *, max_len: int | None = None, cache: DecodeState | None = None):
+        """Runs the prompt (right-padded [B, T], `lengths` real tokens each) and returns
+        (logits float32 [B, T, vocab], cache). Pass `cache` to continue earlier sequences (chunked prefill)."""
+        tokens, lengths = self._tokens(input_ids, lengths)
+        if cache is None:
+            cache = self.init_cache(tokens.shape[0], max_len or tokens.shape[1])
+        return _forward(self.graphdef, self.params, tokens, lengths, cache)
+
+    def decode(self, tokens, cache: DecodeState):
+        """One token per sequence: tokens [B] -> (logits float32 [B, vocab], cache)."""
+        tokens = jnp.asarray(tokens, jnp.int32).reshape(-1, 1)
+        logits, cache = _forward(self.graphdef, self.params, tokens, jnp.ones((tokens.shape[0],), jnp.int32), cache)
+        return logits[:, 0], cache
+
+    def _tokens(self, input_ids, lengths):
+        tokens = jnp.asarray(input_ids, jnp.int32)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T] token ids, got shape {tokens.shape}")
+        ids = np.asarray(tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"input_ids hold ids outside [0, vocab_size={self.config.vocab_size})")
+        if lengths is None:
+            lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if lengths.shape != (tokens.shape[0],):
+            raise ValueError(f"lengths must have one entry per sequence ({tokens.shape[0]}), got {lengths.shape}")
+        return tokens, lengths
