@@ -249,16 +249,7 @@ def _attention_layer_types(text: dict, lac: dict, num_layers: int) -> tuple[str,
             raise ConfigError(f"linear_attn_config.kda_layers and full_attn_layers do not cover layers "
                               f"{missing} (1-indexed) of num_hidden_layers={num_layers}")
         from_list = tuple(KDA if i + 1 in kda else MLA for i in range(num_layers))
-    from_types = None
-    if text.get("layer_types") is not None:
-        names = {"linear_attention": KDA, "full_attention": MLA}
-        types = list(text["layer_types"])
-        if len(types) != num_layers:
-            raise ConfigError(f"layer_types has {len(types)} entries for num_hidden_layers={num_layers}")
-        bad = sorted({t for t in types if t not in names})
-        if bad:
-            raise ConfigError(f"layer_types holds {bad}; expected 'linear_attention' or 'full_attention'")
-        from_types = tuple(names[t] for t in types)
+    from_types = _named_list(text, "layer_types", {"linear_attention": KDA, "full_attention": MLA}, num_layers)
     if from_list and from_types and from_list != from_types:
         raise ConfigError("layer_types (0-indexed) and linear_attn_config.kda_layers (1-indexed) disagree")
     result = from_types or from_list
@@ -268,16 +259,23 @@ def _attention_layer_types(text: dict, lac: dict, num_layers: int) -> tuple[str,
     return result
 
 
+def _named_list(text: dict, key: str, names: dict[str, str], num_layers: int) -> tuple[str, ...] | None:
+    """A 0-indexed per-layer list of names as transformers writes it (`layer_types`, `mlp_layer_types`)."""
+    if text.get(key) is None:
+        return None
+    types = list(text[key])
+    if len(types) != num_layers:
+        raise ConfigError(f"{key} has {len(types)} entries for num_hidden_layers={num_layers}")
+    bad = sorted({t for t in types if t not in names})
+    if bad:
+        raise ConfigError(f"{key} holds {bad}; expected one of {sorted(names)}")
+    return tuple(names[t] for t in types)
+
+
 def _mlp_layer_types(text: dict, num_layers: int) -> tuple[str, ...]:
-    if text.get("mlp_layer_types") is not None:
-        names = {"dense": DENSE, "sparse": MOE}
-        types = list(text["mlp_layer_types"])
-        if len(types) != num_layers:
-            raise ConfigError(f"mlp_layer_types has {len(types)} entries for num_hidden_layers={num_layers}")
-        bad = sorted({t for t in types if t not in names})
-        if bad:
-            raise ConfigError(f"mlp_layer_types holds {bad}; expected 'dense' or 'sparse'")
-        return tuple(names[t] for t in types)
+    listed = _named_list(text, "mlp_layer_types", {"dense": DENSE, "sparse": MOE}, num_layers)
+    if listed is not None:
+        return listed
     has_experts = text.get("num_experts") is not None
     first_dense = int(text.get("first_k_dense_replace", K3Config.first_k_dense_replace))
     freq = int(text.get("moe_layer_freq", K3Config.moe_layer_freq))
