@@ -22,7 +22,7 @@ def k3_pattern_at_tiny_width(num_layers: int) -> K3Config:
     text["num_hidden_layers"] = num_layers
     text["attn_res_block_size"] = 12  # K3's block size, so the bank has ceil(L / 12) rows
     text["linear_attn_config"].update(_k3_layer_lists(num_layers, 4))
-    return K3Config.from_hf_dict(_k3(text))
+    return K3Config.from_hf_dict(_k3(text, 277))
 
 
 def compile_seconds(cfg: K3Config, batch: int = 4, max_len: int = 64) -> float:

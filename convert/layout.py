@@ -15,6 +15,7 @@ The synthetic checkpoint writer and the loader both read this table, so they can
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from k3jax.config import DENSE, KDA, K3Config
 
@@ -159,3 +160,11 @@ def all_tensors(cfg: K3Config) -> dict[str, Rule]:
             for n in names:
                 out[f"{decoder}layers.{i}.{n}"] = r
     return out
+
+
+_ITEMSIZE = {BF16: 2, F32: 4, U8: 1}
+
+
+def checkpoint_bytes(cfg: K3Config) -> int:
+    """Bytes of the text tensors of a checkpoint of this config, as published."""
+    return sum(math.prod(r.shape) * _ITEMSIZE[r.dtype] for r in all_tensors(cfg).values())

@@ -46,7 +46,7 @@ class SafetensorsReader:
                 raise CheckpointError(f"no *.safetensors files in {self.directory}")
             for file in shards:
                 path = os.path.join(self.directory, file)
-                with safe_open(path, framework="numpy") as f:
+                with _open(path) as f:
                     for name in f.keys():
                         self._files[name] = path
         # Published K3 checkpoints may use "language_model.layers.N." for "language_model.model.layers.N.".
@@ -63,12 +63,14 @@ class SafetensorsReader:
 
     def read(self, name: str) -> np.ndarray:
         path = self._file(name)
-        with safe_open(path, framework="numpy") as f:
-            return f.get_tensor(self._stored_name(f, name))
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(self._file(name), framework="numpy") as f:
-            return tuple(f.get_slice(self._stored_name(f, name)).get_shape())
+        with _open(path) as f:
+            stored = self._stored_name(f, name)
+            if stored not in f.keys():
+                raise CheckpointError(f"{path} does not hold tensor {name!r} although the index says so")
+            try:
+                return f.get_tensor(stored)
+            except Exception as error:  # safetensors raises its own types for truncated data
+                raise CheckpointError(f"{path}: cannot read tensor {name!r} ({error})") from error
 
     def _file(self, name: str) -> str:
         if name not in self._files:
@@ -80,3 +82,10 @@ class SafetensorsReader:
         if name in handle.keys():
             return name
         return name.replace("language_model.model.layers.", "language_model.layers.", 1)  # the alias form
+
+
+def _open(path: str):
+    try:
+        return safe_open(path, framework="numpy")
+    except Exception as error:  # a truncated or corrupt header
+        raise CheckpointError(f"{path} is not a readable safetensors file ({error})") from error

@@ -7,6 +7,7 @@ quantization_config), with random weights at scales that keep activations O(1).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -53,8 +54,7 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
                      shard_bytes: int | None = None) -> K3Config:
     """Writes config.json and safetensors (sharded with an index when shard_bytes is given)."""
     cfg = K3Config.from_hf_dict(hf_config)
-    tensors = layout.all_tensors(cfg)
-    total = sum(int(np.prod(r.shape)) * np.dtype(_NUMPY_DTYPES[r.dtype]).itemsize for r in tensors.values())
+    total = layout.checkpoint_bytes(cfg)
     if total > MAX_SYNTHETIC_BYTES:
         raise ValueError(f"a synthetic checkpoint of {total / 1e9:.1f} GB is too large; the limit is "
                          f"{MAX_SYNTHETIC_BYTES / 1e9:.0f} GB")
@@ -62,8 +62,10 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
     rng = np.random.default_rng(seed)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name, rule in tensors.items():
-        tensor = synthetic_tensor(name, rule, rng)
+    tensors = ((n, synthetic_tensor(n, r, rng)) for n, r in layout.all_tensors(cfg).items())
+    if cfg.model_type == "kimi_k3":
+        tensors = itertools.chain(tensors, vision_tensors(cfg, rng).items())
+    for name, tensor in tensors:
         if shard_bytes and size + tensor.nbytes > shard_bytes and shards[-1]:
             shards.append({})
             size = 0
@@ -82,7 +84,56 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
+    write_tokenizer(out_dir, cfg)
     return cfg
+
+
+def vision_tensors(cfg: K3Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The K3 vision tower and projector names (../shared/spec/k3_serving_spec.md) at tiny widths, so
+    text-only loads see the tensors they must skip."""
+    width, inner, mlp, merged = 32, 48, 128, 4 * 32
+    shapes = {"vision_tower.patch_embed.proj.weight": (width, 3, 14, 14),
+              "vision_tower.patch_embed.pos_emb.weight": (8, 8, width),
+              "vision_tower.encoder.final_layernorm.weight": (width,),
+              "mm_projector.proj.0.weight": (merged, merged),
+              "mm_projector.proj.2.weight": (cfg.hidden_size, merged),
+              "mm_projector.post_norm.weight": (cfg.hidden_size,)}
+    for i in range(2):
+        block = f"vision_tower.encoder.blocks.{i}."
+        shapes.update({block + "norm0.weight": (width,), block + "norm1.weight": (width,),
+                       block + "wqkv.weight": (3 * inner, width), block + "wo.weight": (width, inner),
+                       block + "mlp.fc0.weight": (mlp, width), block + "mlp.fc1.weight": (width, mlp)})
+    return {n: (0.1 * rng.standard_normal(shape)).astype(ml_dtypes.bfloat16) for n, shape in shapes.items()}
+
+
+# K3's special tokens (../shared/spec/k3_serving_facts.md section E), placed above the 256 byte
+# tokens in K3's order: [BOS] at the first special id, <|media_pad|> at +21 (K3: 163584 / 163605).
+SPECIAL_TOKENS = {0: "[BOS]", 1: "[EOT]", 2: "[EOS]", 3: "<|end_of_msg|>", 4: "<|open|>", 5: "<|close|>",
+                  6: "<|sep|>", 7: "<|media_begin|>", 8: "<|media_content|>", 9: "<|media_end|>",
+                  10: "<|kimi_image_placeholder|>", 21: "<|media_pad|>"}
+
+
+def write_tokenizer(out_dir, cfg: K3Config) -> None:
+    """A byte-level tiktoken tokenizer (`tiktoken.model`: one base64 byte and its rank per line) with
+    the special tokens in `tokenizer_config.json`, as Kimi checkpoints ship them. A vocabulary too
+    small for the bytes and the specials gets no tokenizer (such a model takes token ids only)."""
+    import base64
+
+    if cfg.vocab_size < 256 + max(SPECIAL_TOKENS) + 2:
+        return
+    with open(os.path.join(out_dir, "tiktoken.model"), "w") as f:
+        for byte in range(256):
+            f.write(f"{base64.b64encode(bytes([byte])).decode()} {byte}\n")
+    names = {256 + offset: name for offset, name in SPECIAL_TOKENS.items()}
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.vocab_size - 1
+    names[pad] = "[PAD]"
+    added = {str(i): {"content": names.get(i, f"<|reserved_token_{i}|>"), "special": True}
+             for i in range(256, cfg.vocab_size)}
+    config = {"tokenizer_class": "TikTokenTokenizer", "added_tokens_decoder": added,
+              "bos_token": names.get(cfg.bos_token_id), "eos_token": names.get(cfg.eos_token_id),
+              "pad_token": "[PAD]", "model_max_length": cfg.max_position_embeddings}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
 
 
 def main(argv=None) -> None:

@@ -1,144 +1,112 @@
-"""`from_pretrained`: a Hugging Face checkpoint directory (K3 or Kimi Linear) -> K3Model.
+"""`from_pretrained`: a checkpoint directory -> K3Model.
 
-The model is built abstractly (no weights allocated), then every parameter is read from the
-checkpoint through the layout table in `convert.layout`, transformed, cast and placed. Stacked
-layer parameters are assembled layer by layer; MXFP4 experts stay packed.
+Accepts a Hugging Face directory as published (safetensors, one file or shards) or a directory
+written by `python -m convert` (Orbax, one item per layer). The model is built abstractly (nothing
+allocated), then filled one decoder layer at a time: each layer's arrays are placed on the devices
+and written into their slot of the stacked segment parameters in place, so host memory holds about
+one layer and device memory never holds a segment twice.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from convert import layout
-from convert.reader import CheckpointError, SafetensorsReader
+from convert.hf_params import HfParams
+from convert.orbax_params import OrbaxParams, is_converted
+from convert.reader import CheckpointError
 from k3jax.config import K3Config
 from k3jax.decoder import K3Transformer, plan_segments
 from k3jax.model import K3Model, resolve_dtype
-
-_SKIPPED = re.compile(r"(^vision_tower\.|^mm_projector\.|rotary_emb\.)")
+from sharding.mesh import make_mesh
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> K3Model:
-    """Loads a K3 or Kimi Linear checkpoint directory (config.json + safetensors, sharded or not).
+    """Loads K3 or Kimi Linear from `path` (Hugging Face safetensors or a `python -m convert` output).
 
-    `dtype` is the activation and weight dtype ("bfloat16" or "float32"); the gate parameters, conv
-    weights and router bias stay float32 and MXFP4 experts stay packed. `mesh` must be None or "1x1"
-    until sharded loading lands (the [sharding] and [convert] issues).
+    `dtype` ("bfloat16" or "float32") is the weight and activation dtype; the gate parameters, conv
+    weights and router bias stay float32 and MXFP4 experts stay packed. `mesh` (None, a string such as
+    "8x2", or a jax Mesh) places every parameter on the mesh; until the sharding table lands
+    ([sharding] issue) parameters are replicated there, and each device still gets only its slice
+    from the host (safetensors) or from storage (Orbax).
     """
-    if mesh not in (None, "1x1"):
-        raise ValueError(f"mesh={mesh!r}: sharded loading is not available yet; pass mesh=None")
     cfg = K3Config.from_pretrained(path)
-    reader = SafetensorsReader(path)
+    mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+    source = OrbaxParams(path, cfg) if is_converted(path) else HfParams(path, cfg)
     abstract = nnx.eval_shape(lambda: K3Transformer(cfg, dtype=resolve_dtype(dtype)))
     graphdef, state = nnx.split(abstract)
-    sources = _parameter_sources(cfg)
-    used: set[str] = set()
-    filled = {}
-    for param_path, variable in nnx.to_flat_state(state):
-        if param_path not in sources:
-            raise CheckpointError(f"no checkpoint rule fills parameter {'.'.join(map(str, param_path))}")
-        target = variable.get_value()
-        value = _assemble(reader, param_path, sources[param_path], target.shape, used)
-        filled[param_path] = variable.replace(jnp.asarray(value, target.dtype))
-    _check_unused(reader, cfg, used)
-    params = nnx.from_flat_state(list(filled.items()))
+    targets = dict(nnx.to_flat_state(state))
+    if isinstance(source, OrbaxParams):
+        source.shardings = lambda path, shape: _sharding(mesh, len(shape))
+
+    values = {}
+    _fill(values, targets, (), source.model(), mesh)
+    for s, seg in enumerate(plan_segments(cfg)):
+        for j in range(len(seg.kinds)):
+            for r in range(seg.repeats):
+                _fill(values, targets, ("segments", s, "layers", j), source.layer(seg.layer_index(j, r)), mesh, r)
+    source.check_unused()
+    missing = sorted(".".join(map(str, p)) for p in targets if p not in values)
+    if missing:
+        raise CheckpointError(f"the checkpoint filled no value for parameters {missing[:5]}")
+    params = nnx.from_flat_state([(p, targets[p].replace(values[p])) for p in targets])
     return K3Model(cfg, graphdef, params)
 
 
-def _parameter_sources(cfg: K3Config) -> dict[tuple, tuple[layout.Rule, list[str]]]:
-    """Parameter path -> (rule, full checkpoint names); layer parameters list one name per stacked repeat."""
-    decoder, _ = layout.prefixes(cfg)
-    sources = {r.path: (r, [decoder + r.name]) for r in layout.model_rules(cfg)}
-    head = layout.lm_head_rule(cfg)
-    if head:
-        sources[head.path] = (head, [head.name])
-    for s, seg in enumerate(plan_segments(cfg)):
-        for j, (attn, mlp) in enumerate(seg.kinds):
-            for r in layout.layer_rules(cfg, attn, mlp):
-                names = [f"{decoder}layers.{seg.layer_index(j, k)}.{r.name}" for k in range(seg.repeats)]
-                sources[("segments", s, "layers", j, *r.path)] = (r, names)
-    return sources
+def _fill(values: dict, targets: dict, prefix: tuple, arrays: dict, mesh, row: int | None = None):
+    """Places `arrays` (paths relative to `prefix`) into `values`, as row `row` of stacked parameters when given."""
+    placed = {}
+    for rel, array in arrays.items():
+        path = prefix + rel
+        if path not in targets:
+            raise CheckpointError(f"checkpoint array {'.'.join(map(str, path))} fills no parameter of this model")
+        target = targets[path].get_value()
+        shape = target.shape if row is None else target.shape[1:]
+        if tuple(array.shape) != tuple(shape):
+            raise CheckpointError(f"{'.'.join(map(str, path))}: the checkpoint gives shape {tuple(array.shape)}, "
+                                  f"the model needs {tuple(shape)}")
+        placed[path] = _place(array, target.dtype, _sharding(mesh, len(shape)))
+    if row is None:
+        values.update(placed)
+        return
+    if row == 0:  # first layer of the segment position: allocate the stacked parameters once
+        shapes = {p: (targets[p].get_value().shape, targets[p].get_value().dtype) for p in placed}
+        values.update(_zeros(shapes, mesh))
+    stacked = _set_rows({p: values[p] for p in placed}, row, placed)
+    values.update(stacked)
 
 
-def _assemble(reader: SafetensorsReader, param_path, source, target_shape, used: set[str]) -> np.ndarray:
-    rule, names = source
-    per_layer_shape = tuple(target_shape[1:]) if param_path[0] == "segments" else tuple(target_shape)
-    parts = [_read(reader, rule, name, per_layer_shape, used) for name in names]
-    value = np.stack(parts) if param_path[0] == "segments" else parts[0]
-    if value.shape != tuple(target_shape):
-        raise CheckpointError(f"{names[0]}: after '{rule.transform}' it has shape {value.shape[1:]}, the model "
-                              f"needs {per_layer_shape}")
-    return value
+def _sharding(mesh: Mesh | None, ndim: int):
+    """The placement of a parameter: replicated over the mesh until the sharding table lands."""
+    if mesh is None:
+        return None
+    return NamedSharding(mesh, PartitionSpec(*([None] * ndim)))
 
 
-def _read(reader: SafetensorsReader, rule: layout.Rule, name: str, target_shape, used: set[str]) -> np.ndarray:
-    if rule.transform == "experts":
-        num_experts = target_shape[0]
-        return np.stack([_checked(reader, name.format(e=e), rule.shape, used) for e in range(num_experts)])
-    array = _checked(reader, _present(reader, name, rule), None, used)
-    if rule.transform == "linear":
-        _expect(name, array, rule.shape)
-        return array.T
-    if rule.transform == "vector":
-        _expect(name, array, rule.shape)
-        return array
-    if rule.transform == "squeeze":
-        _expect(name, array, rule.shape)
-        return array.reshape(-1)
-    if rule.transform == "conv":  # [P, 1, W] or [P, W] -> [W, P]
-        p, _, w = rule.shape
-        if array.shape not in ((p, 1, w), (p, w)):
-            raise CheckpointError(f"{name} has shape {array.shape}, expected {(p, 1, w)} or {(p, w)}")
-        return array.reshape(p, w).T
-    if rule.transform == "a_log":  # only the first `heads` entries are used (vLLM and SGLang slice too)
-        heads = target_shape[0]
-        if array.size < heads:
-            raise CheckpointError(f"{name} has {array.size} entries, fewer than the {heads} KDA heads")
-        return array.reshape(-1)[:heads]
-    raise AssertionError(f"unknown transform {rule.transform}")
+def _place(array, dtype, sharding):
+    if isinstance(array, jax.Array):
+        return jax.device_put(array.astype(dtype), sharding) if sharding else array.astype(dtype)
+    host = np.asarray(array).astype(jnp.dtype(dtype))
+    if sharding is None:
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])  # per-device slices
 
 
-def _present(reader: SafetensorsReader, name: str, rule: layout.Rule) -> str:
-    """`name`, or the alias under which this checkpoint stores the tensor."""
-    if name in reader:
-        return name
-    for alias in rule.aliases:
-        candidate = name.removesuffix(rule.name) + alias
-        if candidate in reader:
-            return candidate
-    return name  # reading it raises the error that names the tensor
+def _zeros(shapes: dict, mesh):
+    shardings = {p: _sharding(mesh, len(shape)) for p, (shape, _) in shapes.items()}
+    make = jax.jit(lambda: {p: jnp.zeros(shape, dtype) for p, (shape, dtype) in shapes.items()},
+                   out_shardings=shardings if mesh is not None else None)
+    return make()
 
 
-def _checked(reader, name, shape, used) -> np.ndarray:
-    array = reader.read(name)
-    if shape is not None:
-        _expect(name, array, shape)
-    used.add(name)
-    return array
-
-
-def _expect(name: str, array: np.ndarray, shape) -> None:
-    if array.shape != tuple(shape):
-        raise CheckpointError(f"{name} has shape {array.shape}, expected {tuple(shape)}")
-
-
-def _check_unused(reader: SafetensorsReader, cfg: K3Config, used: set[str]) -> None:
-    decoder, _ = layout.prefixes(cfg)
-    mtp = re.compile(re.escape(decoder) + r"layers\.(\d+)\.")
-    unused = []
-    for name in reader.names():
-        if name in used or _SKIPPED.search(name):
-            continue
-        m = mtp.match(name)
-        if m and int(m.group(1)) >= cfg.num_hidden_layers:  # MTP layers stored after the decoder
-            continue
-        unused.append(name)
-    if unused:
-        raise CheckpointError(f"{len(unused)} checkpoint tensors match no parameter of this config, e.g. "
-                              f"{sorted(unused)[:5]}")
-
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows(stacked: dict, r, rows: dict):
+    """Writes one layer into row r of every stacked parameter, in place (the buffers are donated)."""
+    return {p: jax.lax.dynamic_update_index_in_dim(stacked[p], rows[p].astype(stacked[p].dtype), r, axis=0)
+            for p in stacked}

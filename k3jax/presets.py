@@ -24,12 +24,13 @@ def _k3_layer_lists(num_layers: int, every: int) -> dict:
     return {"kda_layers": kda, "full_attn_layers": full}
 
 
-def _k3(text: dict, vision: dict | None = None) -> dict:
+def _k3(text: dict, media_placeholder_token_id: int) -> dict:
     return {
         "model_type": "kimi_k3",
         "architectures": ["KimiK3ForConditionalGeneration"],
         "text_config": text,
-        "vision_config": vision or {},
+        "vision_config": {},
+        "media_placeholder_token_id": media_placeholder_token_id,
         "tie_word_embeddings": False,
     }
 
@@ -88,7 +89,8 @@ KIMI_K3_TEXT = {
 
 # Every K3 feature at CPU-test widths: KDA and MLA in the K3 pattern (MLA every 4th layer and the
 # last), dense layer 0, LatentMoE with shared experts and MXFP4 experts, AttnRes over 3 blocks.
-# Token ids mirror K3's layout above a byte vocabulary: 256 bytes, specials from 256, pad last.
+# Token ids mirror K3's layout above a byte vocabulary: 256 bytes, then K3's specials from 256
+# (bos 256, eos 258, media placeholder 277 like K3's 163584 / 163586 / 163605), pad last.
 K3_TINY_TEXT = {
     **KIMI_K3_TEXT,
     "vocab_size": 512,
@@ -170,7 +172,7 @@ KIMI_LINEAR_48B = {
 }
 
 PRESETS = {
-    "kimi-k3": _k3(KIMI_K3_TEXT),
+    "kimi-k3": _k3(KIMI_K3_TEXT, 163605),
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B,
-    "k3-tiny": _k3(K3_TINY_TEXT),
+    "k3-tiny": _k3(K3_TINY_TEXT, 277),
 }

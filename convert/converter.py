@@ -1,0 +1,118 @@
+"""Streaming conversion of a Hugging Face checkpoint to the Orbax layout of `convert.orbax_params`.
+
+One decoder layer at a time is read, transformed into the parameter layout, cast, checksummed and
+written, so peak host memory is about one layer. The output is written under a temporary name next
+to the destination and renamed when complete: an interrupted run never leaves a directory that
+looks converted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from convert import layout
+from convert.hf_params import HfParams
+from convert.orbax_params import MANIFEST, OrbaxParams, item_name, key, save_item
+from convert.reader import CheckpointError
+from k3jax.config import K3Config
+
+# Small files that travel with the weights (tokenizer, generation defaults, remote code).
+_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+               "special_tokens_map.json", "tiktoken.model", "chat_template.jinja")
+
+
+def checksum(array) -> str:
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(array)).tobytes()).hexdigest()
+
+
+def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", overwrite: bool = False, verify: bool = False,
+                       out=None) -> dict:
+    """Converts `src` (HF safetensors directory) into `dst`; returns the manifest. Progress goes to
+    `out` (default: standard error)."""
+    out = out or sys.stderr
+    src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
+    cfg = K3Config.from_pretrained(src)
+    if os.path.exists(dst) and os.listdir(dst) and not overwrite:
+        raise FileExistsError(f"destination {dst} is not empty; pass --overwrite to replace it")
+    source = HfParams(src, cfg, dtype=dtype)
+    partial = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        manifest = _write(source, cfg, partial, dtype, out)
+        for name in _SIDE_FILES:
+            if os.path.exists(os.path.join(src, name)):
+                shutil.copy2(os.path.join(src, name), os.path.join(partial, name))
+        with open(os.path.join(partial, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        if verify:
+            verify_checkpoint(partial, cfg)
+        _replace(partial, dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write(source: HfParams, cfg: K3Config, directory: str, dtype: str, out) -> dict:
+    total = layout.checkpoint_bytes(cfg)
+    progress = _Progress(total, out)
+    checkpointer = ocp.StandardCheckpointer()
+    items = {}
+    for layer in [None, *range(cfg.num_hidden_layers)]:
+        arrays = source.model() if layer is None else source.layer(layer)
+        items[item_name(layer)] = {key(p): {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": checksum(a)}
+                                   for p, a in arrays.items()}
+        save_item(directory, layer, arrays, checkpointer)
+        checkpointer.wait_until_finished()  # bounds host memory to the layer being written
+        progress.advance(source.bytes_read)
+    source.check_unused()
+    progress.done()
+    return {"format": "k3jax-orbax-v1", "dtype": dtype, "model_type": cfg.model_type,
+            "source_tensors": sorted(source.used), "items": items}
+
+
+def verify_checkpoint(directory, cfg: K3Config | None = None) -> None:
+    """Re-reads every converted array and compares it with the manifest's checksum."""
+    cfg = cfg or K3Config.from_pretrained(directory)
+    params = OrbaxParams(directory, cfg)
+    for layer in [None, *range(cfg.num_hidden_layers)]:
+        name = item_name(layer)
+        arrays = params.model() if layer is None else params.layer(layer)
+        for path, array in arrays.items():
+            if checksum(array) != params.manifest["items"][name][key(path)]["sha256"]:
+                raise CheckpointError(f"{directory}: {name}/{key(path)} does not match its manifest checksum")
+
+
+def _replace(partial: str, dst: str) -> None:
+    if os.path.exists(dst):
+        old = dst + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dst, old)
+        os.rename(partial, dst)
+        shutil.rmtree(old)
+    else:
+        os.rename(partial, dst)
+
+
+class _Progress:
+    def __init__(self, total: int, out):
+        self.total, self.out, self.start = max(total, 1), out, time.perf_counter()
+
+    def advance(self, done: int) -> None:
+        elapsed = time.perf_counter() - self.start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - done) / rate if rate > 0 else float("inf")
+        print(f"\rconverting {done / 1e9:8.2f} / {self.total / 1e9:.2f} GB  {rate / 1e6:7.1f} MB/s  "
+              f"ETA {eta:6.0f} s", end="", file=self.out, flush=True)
+
+    def done(self) -> None:
+        print(f"\nconverted in {time.perf_counter() - self.start:.1f} s", file=self.out, flush=True)

@@ -1,0 +1,119 @@
+"""Parameters in the model's layout, read lazily from a Hugging Face safetensors checkpoint.
+
+`HfParams` turns the published tensors into parameter arrays through `convert.layout`: one call per
+decoder layer (`layer(i)`) or for the model-level tensors (`model()`), so a caller holds at most one
+layer in host memory. Every problem is a `CheckpointError` naming the tensor, what was expected
+and what was found.
+"""
+
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+
+from convert import layout
+from convert.reader import CheckpointError, SafetensorsReader
+from k3jax.config import K3Config
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+_SKIPPED = re.compile(r"(^vision_tower\.|^mm_projector\.|rotary_emb\.)")
+
+
+class HfParams:
+    """`dtype` (optional) casts the float parameters, except those the model keeps in float32."""
+
+    def __init__(self, directory, cfg: K3Config, dtype: str | None = None):
+        self.cfg = cfg
+        self.reader = SafetensorsReader(directory)
+        self.dtype = dtype
+        self.used: set[str] = set()
+        self.bytes_read = 0
+        self._decoder, _ = layout.prefixes(cfg)
+
+    def model(self) -> dict[tuple, np.ndarray]:
+        """Model-level parameters (embedding, final norms, LM head) by parameter path."""
+        rules = layout.model_rules(self.cfg)
+        names = [self._decoder + r.name for r in rules]
+        head = layout.lm_head_rule(self.cfg)
+        if head:
+            rules.append(head)
+            names.append(head.name)
+        return {r.path: self._cast(r, self._read(r, n)) for r, n in zip(rules, names)}
+
+    def layer(self, index: int) -> dict[tuple, np.ndarray]:
+        """Parameters of decoder layer `index`, by path relative to the layer module."""
+        attn, mlp = self.cfg.layer_kinds()[index]
+        prefix = f"{self._decoder}layers.{index}."
+        return {r.path: self._cast(r, self._read(r, prefix + r.name)) for r in layout.layer_rules(self.cfg, attn, mlp)}
+
+    def _cast(self, rule: layout.Rule, array: np.ndarray) -> np.ndarray:
+        if self.dtype is None or rule.dtype == layout.U8:
+            return array
+        return array.astype(np.float32 if rule.dtype == layout.F32 else _NUMPY_DTYPES[self.dtype])
+
+    def check_unused(self) -> None:
+        """Raises if the checkpoint holds text tensors that no parameter consumed."""
+        mtp = re.compile(re.escape(self._decoder) + r"layers\.(\d+)\.")
+        unused = []
+        for name in self.reader.names():
+            if name in self.used or _SKIPPED.search(name):
+                continue
+            m = mtp.match(name)
+            if m and int(m.group(1)) >= self.cfg.num_hidden_layers:  # MTP layers stored after the decoder
+                continue
+            unused.append(name)
+        if unused:
+            raise CheckpointError(f"{len(unused)} checkpoint tensors match no parameter of this config, e.g. "
+                                  f"{sorted(unused)[:5]}")
+
+    def _read(self, rule: layout.Rule, name: str) -> np.ndarray:
+        if rule.transform == "experts":
+            return np.stack([self._tensor(rule, name.format(e=e), rule.shape) for e in range(self.cfg.num_experts)])
+        array = self._tensor(rule, self._present(name, rule), None)
+        if rule.transform in ("linear", "vector", "squeeze"):
+            _expect(name, array, rule.shape)
+            return array.T if rule.transform == "linear" else array.reshape(-1) if rule.transform == "squeeze" else array
+        if rule.transform == "conv":  # [P, 1, W] or [P, W] -> [W, P]
+            p, _, w = rule.shape
+            if array.shape not in ((p, 1, w), (p, w)):
+                raise CheckpointError(f"{name} has shape {array.shape}, expected {(p, 1, w)} or {(p, w)}")
+            return array.reshape(p, w).T
+        if rule.transform == "a_log":  # only the first `heads` entries are used (vLLM and SGLang slice too)
+            heads = self.cfg.kda_num_heads
+            if array.size < heads:
+                raise CheckpointError(f"{name} has {array.size} entries, fewer than the {heads} KDA heads")
+            return array.reshape(-1)[:heads]
+        raise AssertionError(f"unknown transform {rule.transform}")
+
+    def _present(self, name: str, rule: layout.Rule) -> str:
+        """`name`, or the alias under which this checkpoint stores the tensor."""
+        if name in self.reader:
+            return name
+        for alias in rule.aliases:
+            candidate = name.removesuffix(rule.name) + alias
+            if candidate in self.reader:
+                return candidate
+        return name  # reading it raises the error that names the tensor
+
+    def _tensor(self, rule: layout.Rule, name: str, shape) -> np.ndarray:
+        array = self.reader.read(name)
+        if rule.dtype == layout.U8:
+            if array.dtype == ml_dtypes.float8_e8m0fnu:  # E8M0 scales stored as a float8 type: same bytes
+                array = array.view(np.uint8)
+            if array.dtype != np.uint8:
+                raise CheckpointError(f"{name} has dtype {array.dtype}, expected uint8 (MXFP4 codes or scales)")
+        elif array.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{name} has dtype {array.dtype}, expected a float type (bfloat16 or float32)")
+        if shape is not None:
+            _expect(name, array, shape)
+        self.used.add(name)
+        self.bytes_read += array.nbytes
+        return array
+
+
+def _expect(name: str, array: np.ndarray, shape) -> None:
+    if array.shape != tuple(shape):
+        raise CheckpointError(f"{name} has shape {array.shape}, expected {tuple(shape)}")
