@@ -1,8 +1,9 @@
-"""MXFP4 (OCP MX, E2M1 elements with one E8M0 scale per 32) on the host, in NumPy.
+"""MXFP4 (OCP MX: E2M1 elements sharing one E8M0 scale per 32) on the host, in NumPy only.
 
-Layout as in compressed-tensors "mxfp4-pack-quantized" checkpoints: a logical [..., out, in] weight
-is `packed` uint8 [..., out, in/2] (two codes per byte along `in`, low nibble = even index) and
-`scales` uint8 [..., out, in/32] (scale = 2**(byte - 127)).
+Layout of compressed-tensors "mxfp4-pack-quantized" checkpoints: a logical [..., out, in] weight is
+`packed` uint8 [..., out, in/2] (two codes per byte along `in`, low nibble = even input index) and
+`scales` uint8 [..., out, in/32] (scale = 2**(byte - 127)). E2M1 codes 0..7 are 0, 0.5, 1, 1.5, 2,
+3, 4, 6; codes 8..15 are the same magnitudes with the sign bit set (code 8 is -0).
 """
 
 from __future__ import annotations
@@ -10,57 +11,68 @@ from __future__ import annotations
 import numpy as np
 
 GROUP = 32
-_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_E2M1 = np.concatenate([_MAGNITUDES, -_MAGNITUDES]).astype(np.float32)  # code -> value (code 8 is -0)
-_EMAX = 2  # exponent of the largest E2M1 magnitude (6 = 1.5 * 2**2)
+_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+_E2M1 = np.concatenate([_MAGNITUDES, -_MAGNITUDES])  # code -> value
+_BYTE_VALUES = np.stack([_E2M1[np.arange(256) & 0xF], _E2M1[np.arange(256) >> 4]], axis=-1)  # byte -> (lo, hi)
+_CODE_OF_TWICE = np.zeros(13, np.uint8)  # 2 * magnitude -> code
+_CODE_OF_TWICE[(2 * _MAGNITUDES).astype(int)] = np.arange(8)
+_EMAX = 2  # exponent of the largest E2M1 binade (4 and 6)
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float32 [..., out, in] from packed codes [..., out, in/2] and E8M0 bytes [..., out, in/32]."""
+    """float32 [..., out, in] from packed codes uint8 [..., out, in/2] and E8M0 bytes uint8 [..., out, in/32].
+
+    Exact (subnormal results included) wherever the value fits float32; scale bytes 253 and 254
+    overflow to +-inf for the larger codes, and byte 255 (NaN in E8M0) gives NaN.
+    """
     packed, scales = np.asarray(packed), np.asarray(scales)
     if packed.dtype != np.uint8 or scales.dtype != np.uint8:
         raise ValueError(f"packed and scales must be uint8, got {packed.dtype} and {scales.dtype}")
+    if packed.ndim == 0:
+        raise ValueError("packed must have an input axis: [..., out, in/2]")
     width = 2 * packed.shape[-1]
-    if width % GROUP or scales.shape != (*packed.shape[:-1], width // GROUP):
-        raise ValueError(f"scales has shape {scales.shape}; packed {packed.shape} holds {width} inputs per row, "
-                         f"so scales must be {(*packed.shape[:-1], width // GROUP)}")
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], width)
-    scale = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127).astype(np.float32)
-    values = _E2M1[codes].reshape(*packed.shape[:-1], width // GROUP, GROUP) * scale[..., None]
+    want = (*packed.shape[:-1], width // GROUP)
+    if width % GROUP or scales.shape != want:
+        raise ValueError(f"scales has shape {scales.shape} but packed {packed.shape} holds {width} inputs per row: "
+                         f"expected groups of {GROUP} inputs and scales of shape {want}")
+    byte = scales.astype(np.int32)[..., None]
+    values = _BYTE_VALUES[packed].reshape(*packed.shape[:-1], width // GROUP, GROUP)
+    with np.errstate(over="ignore", invalid="ignore"):  # the +-inf / NaN documented above
+        scale = np.where(byte == 255, np.float32(np.nan), np.ldexp(np.float32(1.0), byte - 127))
+        values = values * scale
     return values.reshape(*packed.shape[:-1], width)
 
 
 def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(packed, scales) of a float [..., out, in] weight, `in` a multiple of 32.
+    """(packed, scales) of a finite float [..., out, in] weight, `in` a multiple of 32.
 
-    Rule (OCP MX v1.0): each block of 32 shares the scale 2**(floor(log2(amax)) - 2), so its largest
-    magnitude lands in [4, 8); each element is rounded to the nearest E2M1 value with ties to the
-    even code, saturating at +-6. An all-zero block gets scale byte 127 (1.0). Exponents are clipped
-    to the E8M0 range [-127, 127]. Zero always encodes as +0. Hence quantize(dequantize(p, s))
-    returns (p, s) exactly for blocks whose largest code magnitude is 4 or 6 and that hold no -0.
+    Rule (OCP MX v1.0): each block of 32 shares the scale 2**(floor(log2(amax)) - 2), so its
+    largest magnitude lands in [4, 8); the exponent is clipped to the E8M0 range [-127, 127] (values
+    of tiny blocks then round to zero, those of huge ones saturate). An all-zero block gets byte
+    127 (scale 1). Each element w / scale is rounded to the nearest E2M1 value, ties to the even
+    code (IEEE round-to-nearest-even), magnitudes above 6 saturating to 6. The sign is always kept,
+    so -0.0 and negatives that round to zero give code 8 (-0), as an IEEE cast to float4_e2m1fn does.
+
+    Round trip: quantize(dequantize(p, s)) == (p, s) for every "canonical" block, that is one whose
+    scale byte is at most 252 and whose largest code magnitude is 4 or 6 (a code 6, 7, 14 or 15
+    is present; the rule then picks the same exponent), or one holding only codes 0 and 8 with
+    scale byte 127. Other blocks come back re-encoded to the canonical form of the same values.
     """
-    w = np.asarray(w, np.float32)
-    if w.shape[-1] % GROUP:
-        raise ValueError(f"the input axis ({w.shape[-1]}) must be a multiple of {GROUP}")
-    blocks = w.reshape(*w.shape[:-1], w.shape[-1] // GROUP, GROUP)
+    w = np.asarray(w)
+    if w.ndim == 0 or w.shape[-1] % GROUP:
+        raise ValueError(f"the input (last) axis must be a multiple of {GROUP}; got shape {w.shape}")
+    blocks = w.astype(np.float64).reshape(*w.shape[:-1], w.shape[-1] // GROUP, GROUP)
+    if not np.isfinite(blocks).all():
+        raise ValueError("cannot quantize non-finite values (inf or NaN) to MXFP4")
     amax = np.abs(blocks).max(axis=-1)
-    with np.errstate(divide="ignore"):
-        exponent = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - _EMAX, 0)
-    exponent = np.clip(exponent, -127, 127).astype(np.int32)
-    scaled = blocks / np.ldexp(np.float32(1.0), exponent)[..., None]
-    codes = _round_e2m1(scaled).reshape(w.shape)
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    return packed, (exponent + 127).astype(np.uint8)
-
-
-def _round_e2m1(x: np.ndarray) -> np.ndarray:
-    """Codes of the nearest E2M1 values (ties to the even code, saturating at 6)."""
-    mag = np.minimum(np.abs(x), 6.0)
-    upper = np.clip(np.searchsorted(_MAGNITUDES, mag, side="left"), 0, 7)  # first magnitude >= mag
-    lower = np.maximum(upper - 1, 0)
-    d_low, d_up = mag - _MAGNITUDES[lower], _MAGNITUDES[upper] - mag
-    code = np.where(d_up < d_low, upper, lower)
-    code = np.where((d_up == d_low) & (upper % 2 == 0), upper, code)
-    code = np.where(mag == _MAGNITUDES[upper], upper, code)
-    negative = (x < 0) & (code > 0)
-    return (code + 8 * negative).astype(np.uint8)
+    exponent = np.frexp(amax)[1] - 1 - _EMAX  # frexp: amax = m * 2**e with m in [0.5, 1), exact
+    exponent = np.where(amax > 0, np.clip(exponent, -127, 127), 0)
+    scaled = np.ldexp(blocks, -exponent[..., None])  # exact in float64
+    mag = np.minimum(np.abs(scaled), 6.0)
+    # The E2M1 grid has spacing 0.5 in [0, 2), 1 in [2, 4) and 2 in [4, 6]; rounding mag/step with
+    # np.rint (ties to even) is ties-to-even-code, since even multiples are the even codes.
+    step = np.where(mag < 2, 0.5, np.where(mag < 4, 1.0, 2.0))
+    codes = _CODE_OF_TWICE[(2 * np.rint(mag / step) * step).astype(np.int64)]
+    codes = (codes | (np.signbit(scaled) << 3).astype(np.uint8)).reshape(w.shape)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.astype(np.uint8), (exponent + 127).astype(np.uint8)

@@ -1,4 +1,4 @@
-"""Gated activations of the dense MLP, shared experts and routed experts (spec section 2.6)."""
+"""Gated activations shared by the dense MLP, the shared experts and the routed experts (spec 2.6)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,30 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+KINDS = ("silu", "situ")
+
 
 @dataclasses.dataclass(frozen=True)
 class GatedActivation:
-    """act(gate, up) in fp32. "silu": silu(gate) * up. "situ": [beta tanh(gate / beta) sigmoid(gate)]
-    * [linear_beta tanh(up / linear_beta)] (the up branch raw when linear_beta is None)."""
+    """act(gate, up), computed in fp32. Frozen, so it hashes and can be a static jit argument.
+
+    - "silu" (SwiGLU): silu(gate) * up; beta and linear_beta are not used.
+    - "situ": [beta * tanh(gate / beta) * sigmoid(gate)] * [linear_beta * tanh(up / linear_beta)],
+      the up branch used raw when linear_beta is None. K3: beta 4, linear_beta 25.
+    """
 
     kind: str
     beta: float | None = None
     linear_beta: float | None = None
 
     def __post_init__(self):
-        if self.kind not in ("silu", "situ"):
-            raise ValueError(f"unknown gated activation {self.kind!r}; expected 'silu' or 'situ'")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown gated activation {self.kind!r}; expected one of {KINDS}")
         if self.kind == "situ" and self.beta is None:
             raise ValueError("the 'situ' activation needs beta (activation_situ_beta)")
 
-    def __call__(self, gate, up):
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """float32 result of the same shape; the caller casts it (to bf16 before the down projection)."""
         gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
         if self.kind == "silu":
             return jax.nn.silu(gate) * up

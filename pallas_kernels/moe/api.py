@@ -1,54 +1,72 @@
-"""MoE expert FFN ops (DESIGN.md section 3). `impl="auto"` picks XLA until the Pallas kernel lands.
+"""Routed-expert FFN ops (DESIGN.md section 3).
 
-Expert weights are [E, out, in] in the checkpoint's orientation, either an `Mxfp4Tensor` (K3) or a
-plain array (Kimi Linear); w_gate and w_up are [E, F, D], w_down [E, D, F].
+Expert weights are [E, out, in] in the checkpoint's orientation, each either an `Mxfp4Tensor` (K3)
+or a plain array (Kimi Linear): w_gate and w_up [E, F, D], w_down [E, D, F]. Matmuls accumulate in
+fp32 on weights decoded to the activation dtype; the activation runs in fp32 and is cast to the
+activation dtype before the down projection (spec 2.6).
+
+impl: "auto" (the XLA path everywhere until the Pallas kernel lands), "xla", "reference".
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import reference, xla
 
-_IMPLS = {"xla": xla, "reference": reference}
-
-
-def _module(impl: str):
-    if impl == "auto":
-        return xla
-    if impl == "pallas":
-        raise ValueError("impl='pallas': the Pallas MXFP4 grouped-matmul kernel is not available yet; "
-                         "use 'auto' or 'xla'")
-    if impl not in _IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; choose 'auto', 'xla' or 'reference'")
-    return _IMPLS[impl]
+_IMPLS = {"auto": xla, "xla": xla, "reference": reference}
 
 
 def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto"):
-    """Grouped gated FFN over rows sorted by expert: x_sorted [M, D], group_sizes int32 [E] (rows of
-    expert e contiguous, in expert order; rows past the sum are padding and give zeros). Matmuls
-    accumulate in fp32; the activation output is cast to x's dtype before the down projection.
-    Returns [M, D] in x's dtype."""
-    _check(x_sorted, w_gate, w_up, w_down)
-    if group_sizes.shape != (w_gate.shape[0],):
-        raise ValueError(f"group_sizes has shape {group_sizes.shape}, expected ({w_gate.shape[0]},): one per expert")
+    """Grouped gated FFN over rows already sorted by expert.
+
+    x_sorted [M, D] (bf16 or f32); group_sizes int32 [E]: the rows of expert e are contiguous, in
+    expert order, sum(group_sizes) <= M, and rows past the sum are padding that come out as zeros.
+    Returns [M, D] in x_sorted's dtype.
+    """
+    _check_weights(x_sorted, w_gate, w_up, w_down)
+    if tuple(group_sizes.shape) != (w_gate.shape[0],):
+        raise ValueError(f"group_sizes has shape {tuple(group_sizes.shape)}; expected ({w_gate.shape[0]},), "
+                         "one size per expert")
+    if x_sorted.shape[0] == 0:  # static; the implementations assume at least one row
+        return jnp.zeros_like(x_sorted)
     return _module(impl).expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, activation=activation)
 
 
 def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto"):
-    """Routed experts for tokens x [T, D] with topk_ids int32 [T, k] and topk_weights [T, k]:
-    out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]), accumulated in fp32.
-    Returns float32 [T, D]."""
-    _check(x, w_gate, w_up, w_down)
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both be "
-                         f"[T={x.shape[0]}, k]")
+    """Routed experts of tokens x [T, D] with topk_ids int32 [T, k] (in [0, E)) and topk_weights [T, k]:
+    out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]), each expert output in x's dtype and
+    the weighted sum in fp32. Returns float32 [T, D]; the caller applies the latent norm or casts.
+    """
+    _check_weights(x, w_gate, w_up, w_down)
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
+                         f"be [T={x.shape[0]}, k]")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise ValueError(f"topk_ids must be integer expert ids, got {topk_ids.dtype}")
+    if x.shape[0] == 0 or topk_ids.shape[1] == 0:  # static; the implementations assume some rows
+        return jnp.zeros(x.shape, jnp.float32)
     return _module(impl).moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation=activation)
 
 
-def _check(x, w_gate, w_up, w_down):
+def _module(impl: str):
+    if impl == "pallas":
+        raise ValueError("impl='pallas': the Pallas MXFP4 grouped-matmul kernel is not available yet; "
+                         "use 'auto', 'xla' or 'reference'")
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'xla', 'reference' (or later 'pallas')")
+    return _IMPLS[impl]
+
+
+def _check_weights(x, w_gate, w_up, w_down):
+    if len(w_gate.shape) != 3:
+        raise ValueError(f"w_gate has shape {tuple(w_gate.shape)}; expected [E, F, D] (experts, out, in)")
     e, f, d = w_gate.shape
     if x.ndim != 2 or x.shape[1] != d:
-        raise ValueError(f"x has shape {x.shape}, expected [rows, {d}] to match w_gate {tuple(w_gate.shape)}")
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [rows, {d}] to match w_gate {tuple(w_gate.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be floating point (bf16 or f32), got {x.dtype}")
     if tuple(w_up.shape) != (e, f, d) or tuple(w_down.shape) != (e, d, f):
         raise ValueError(f"expert weights disagree: w_gate {tuple(w_gate.shape)}, w_up {tuple(w_up.shape)}, "
-                         f"w_down {tuple(w_down.shape)} (expected [E, F, D], [E, F, D], [E, D, F])")
+                         f"w_down {tuple(w_down.shape)}; expected [E, F, D], [E, F, D] and [E, D, F]")

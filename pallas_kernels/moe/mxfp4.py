@@ -1,8 +1,9 @@
 """MXFP4 weights as stored by compressed-tensors ("mxfp4-pack-quantized"), decoded on device.
 
-[..., out, in] logical weights: `packed` uint8 [..., out, in/2] holds two E2M1 codes per byte along
-the input axis (low nibble = even index), `scales` uint8 [..., out, in/32] one E8M0 exponent per 32
-inputs (scale = 2**(byte - 127)).
+A logical [..., out, in] weight is `packed` uint8 [..., out, in/2], two E2M1 codes per byte along
+the input axis (low nibble = even input index, high nibble = odd), and `scales` uint8
+[..., out, in/32], one E8M0 exponent byte per 32 consecutive inputs (scale = 2**(byte - 127)).
+E2M1 codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 the same with the sign bit set.
 """
 
 from __future__ import annotations
@@ -11,28 +12,57 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 GROUP = 32
-# E2M1 code -> value; the top bit is the sign (code 8 is -0).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)
+# byte -> (value of the low nibble, value of the high nibble). One gather per byte decodes both
+# codes; on XLA:CPU this measured 2-2.5x faster than splitting nibbles into a 16-entry table and
+# as fast as or faster than bitcasting to float4_e2m1fn (0.9-1.3x, on a shared machine).
+_BYTE_VALUES = np.stack([E2M1_VALUES[np.arange(256) & 0xF], E2M1_VALUES[np.arange(256) >> 4]], axis=-1)
 
 
 class Mxfp4Tensor(NamedTuple):
+    """A pytree of the packed codes and scale bytes, exactly as stored in the checkpoint."""
+
     packed: jax.Array  # uint8 [..., out, in / 2]
     scales: jax.Array  # uint8 [..., out, in / 32]
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The logical [..., out, in] shape."""
         return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
 
 def dequantize(t: Mxfp4Tensor, dtype=jnp.bfloat16) -> jax.Array:
-    """[..., out, in] in `dtype` (exact in bf16: 2-bit mantissas times powers of two)."""
-    packed = t.packed.astype(jnp.int32)
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(t.shape)
-    values = jnp.asarray(E2M1_VALUES, jnp.float32)[codes]
-    # E8M0 -> 2**(byte - 127) exactly, by placing the byte in an fp32 exponent field (bytes 1..254;
-    # 0 would be 2**-127, a subnormal flushed to 0 here; 255 is NaN in OCP MX and never produced).
-    scale = jax.lax.bitcast_convert_type(t.scales.astype(jnp.uint32) << 23, jnp.float32)
-    values = values.reshape(*t.shape[:-1], t.shape[-1] // GROUP, GROUP) * scale[..., None]
-    return values.reshape(t.shape).astype(dtype)
+    """The [..., out, in] weight in `dtype`.
+
+    Every result that is a normal number is exact in fp32 and bf16 (a 2-bit significand times a
+    power of two). Results below 2**-126, only possible with scale bytes 0 and 1, are subnormal;
+    backends that flush subnormals (XLA:CPU does) return them as zeros of the same sign. Byte 255
+    (NaN in E8M0) gives NaN; bytes 253 and 254 overflow to +-inf for the larger codes.
+    """
+    _check(t)
+    shape = t.shape
+    values = jnp.asarray(_BYTE_VALUES)[t.packed.astype(jnp.int32)]  # [..., out, in/2, 2]
+    values = values.reshape(*shape[:-1], shape[-1] // GROUP, GROUP)
+    byte = t.scales.astype(jnp.int32)[..., None]
+    # 2**(byte - 127) written straight into the fp32 exponent field (255 gets a NaN mantissa bit).
+    # Byte 0 would need the subnormal 2**-127, which XLA:CPU reads as 0 in a product, so it is
+    # built as 2**-126 with the (exact) code values halved first.
+    nan_bit = (byte == 255).astype(jnp.int32) << 22
+    scale = jax.lax.bitcast_convert_type((jnp.maximum(byte, 1) << 23) | nan_bit, jnp.float32)
+    values = values * jnp.where(byte == 0, 0.5, 1.0).astype(jnp.float32) * scale
+    return values.reshape(shape).astype(dtype)
+
+
+def _check(t: Mxfp4Tensor) -> None:
+    packed, scales = t.packed, t.scales
+    if packed.dtype != jnp.uint8 or scales.dtype != jnp.uint8:
+        raise ValueError(f"MXFP4 packed and scales must be uint8, got {packed.dtype} and {scales.dtype}")
+    width = 2 * packed.shape[-1]
+    if width % GROUP or tuple(scales.shape) != (*packed.shape[:-1], width // GROUP):
+        raise ValueError(f"MXFP4 scales have shape {tuple(scales.shape)} but packed {tuple(packed.shape)} holds "
+                         f"{width} inputs per row: expected {GROUP}-input groups, scales "
+                         f"{(*packed.shape[:-1], width // GROUP)}")

@@ -1,5 +1,16 @@
-"""MoE expert FFN in XLA: `lax.ragged_dot` over rows sorted by expert, on weights dequantized to the
-activation dtype (the Pallas kernel decodes MXFP4 tiles in registers instead)."""
+"""MoE expert FFN in plain XLA, on expert weights dequantized to the activation dtype (bf16 x bf16
+products are exact in fp32, so this is the spec's W4A16 with fp32 accumulation).
+
+Two strategies for the grouped matmuls:
+
+- "loop" (the CPU default): a loop over the non-empty experts only, each dequantizing its weights
+  once and running its rows in fixed-size tiles; empty groups cost nothing. XLA:CPU has no ragged
+  dot: JAX lowers `lax.ragged_dot` there to a masked dense matmul of every row against every group
+  (measured: the cost grows linearly with the number of groups), a dense loop over all experts.
+- "ragged_dot" (other backends): `lax.ragged_dot`, lowered to the native ragged-dot instruction on
+  GPU and TPU (not measured here). With fewer rows than experts (decode) only the experts in use
+  are gathered and dequantized.
+"""
 
 from __future__ import annotations
 
@@ -8,47 +19,93 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.mxfp4 import Mxfp4Tensor, dequantize
 
+_CONTRACT_LAST = (((1,), (1,)), ((), ()))  # x [rows, in] . w [out, in] -> [rows, out]
+
+
+def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, strategy: str | None = None):
+    """See `pallas_kernels.moe.api.expert_ffn`. strategy: "loop", "ragged_dot" or None (by backend)."""
+    strategy = strategy or ("loop" if jax.default_backend() == "cpu" else "ragged_dot")
+    if strategy not in ("loop", "ragged_dot"):
+        raise ValueError(f"unknown grouped-matmul strategy {strategy!r}; expected 'loop' or 'ragged_dot'")
+    group_sizes = group_sizes.astype(jnp.int32)
+    run = _loop_ffn if strategy == "loop" else _ragged_ffn
+    return run(x_sorted, group_sizes, w_gate, w_up, w_down, activation).astype(x_sorted.dtype)
+
+
+def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, strategy: str | None = None):
+    """See `pallas_kernels.moe.api.moe_ffn`."""
+    t, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(ids, stable=True)  # (token, slot) pairs grouped by expert
+    group_sizes = jnp.bincount(ids, length=w_gate.shape[0])
+    y_sorted = expert_ffn(x[order // k], group_sizes, w_gate, w_up, w_down, activation=activation,
+                          strategy=strategy)
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)  # back to pair order
+    return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y.astype(jnp.float32), axis=1)
+
 
 def _dense(w, dtype):
-    """[E, out, in] -> [E, in, out] in dtype (ragged_dot's rhs layout)."""
-    w = dequantize(w, dtype) if isinstance(w, Mxfp4Tensor) else w.astype(dtype)
-    return jnp.swapaxes(w, 1, 2)
+    return dequantize(w, dtype) if isinstance(w, Mxfp4Tensor) else w.astype(dtype)
 
 
 def _take(w, experts):
     return Mxfp4Tensor(w.packed[experts], w.scales[experts]) if isinstance(w, Mxfp4Tensor) else w[experts]
 
 
-def _grouped_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
-    """fp32 [M, D]; rows past sum(group_sizes) come out as zeros."""
-    gate = jax.lax.ragged_dot(x, _dense(w_gate, x.dtype), group_sizes, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(x, _dense(w_up, x.dtype), group_sizes, preferred_element_type=jnp.float32)
-    hidden = activation(gate, up).astype(x.dtype)
-    return jax.lax.ragged_dot(hidden, _dense(w_down, x.dtype), group_sizes, preferred_element_type=jnp.float32)
-
-
-def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation):
-    y = _grouped_ffn(x_sorted, group_sizes.astype(jnp.int32), w_gate, w_up, w_down, activation)
-    return y.astype(x_sorted.dtype)
-
-
-def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation):
-    t, k = topk_ids.shape
-    num_experts = w_gate.shape[0]
-    pairs = t * k
-    ids = topk_ids.reshape(-1)
-    if pairs < num_experts:
-        # Few tokens (decode): decode only the experts in use, at most t*k of them, instead of the
-        # whole pool. Unused slots get the id num_experts (clipped for the gather) and no rows.
-        active, ids = jnp.unique(ids, size=pairs, fill_value=num_experts, return_inverse=True)
+def _ragged_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
+    m, num_experts = x.shape[0], group_sizes.shape[0]
+    if m < num_experts:
+        # At most m groups are non-empty: gather those experts' (packed) weights and dequantize only
+        # them rather than the whole pool. nonzero keeps expert order, so the sorted rows still line
+        # up; padding slots point one past the last expert, whose group size is 0.
+        (active,) = jnp.nonzero(group_sizes > 0, size=m, fill_value=num_experts)
+        group_sizes = jnp.append(group_sizes, 0)[active]
         active = jnp.minimum(active, num_experts - 1)
         w_gate, w_up, w_down = (_take(w, active) for w in (w_gate, w_up, w_down))
-        num_groups = pairs
-    else:
-        num_groups = num_experts
-    ids = ids.reshape(-1)
-    order = jnp.argsort(ids, stable=True)
-    group_sizes = jnp.bincount(ids, length=num_groups).astype(jnp.int32)
-    y_sorted = _grouped_ffn(x[order // k], group_sizes, w_gate, w_up, w_down, activation)
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
-    return jnp.einsum("tk,tkd->td", topk_weights.astype(jnp.float32), y)
+
+    def matmul(lhs, w):  # ragged_dot wants the rhs as [groups, in, out]
+        rhs = jnp.swapaxes(_dense(w, x.dtype), 1, 2)
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+    hidden = activation(matmul(x, w_gate), matmul(x, w_up)).astype(x.dtype)
+    padding = (jnp.arange(m) >= jnp.sum(group_sizes))[:, None]  # zeros whatever the backend leaves there
+    return jnp.where(padding, 0.0, matmul(hidden, w_down))
+
+
+def _tile_rows(m: int, num_experts: int) -> int:
+    """Rows per tile: the power of two (8..512) at or above the mean group size, at most m. Each
+    non-empty group wastes less than one tile, so this keeps the waste near the useful work."""
+    mean = -(-m // num_experts)
+    return min(m, max(8, min(512, 1 << (mean - 1).bit_length())))
+
+
+def _loop_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
+    m, num_experts = x.shape[0], group_sizes.shape[0]
+    tile = _tile_rows(m, num_experts)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    (active,) = jnp.nonzero(group_sizes > 0, size=min(m, num_experts), fill_value=0)  # <= m non-empty
+    num_active = jnp.count_nonzero(group_sizes)
+
+    def one_expert(i, out):
+        e = active[i]
+        wg, wu, wd = (_dense(_take(w, e), x.dtype) for w in (w_gate, w_up, w_down))
+        start, end = starts[e], ends[e]
+
+        def one_tile(j, out):
+            first = start + j * tile
+            at = jnp.minimum(first, m - tile)  # the last tile slides back to stay inside x
+            rows = at + jnp.arange(tile)
+            xs = jax.lax.dynamic_slice_in_dim(x, at, tile)
+            gate = jax.lax.dot_general(xs, wg, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+            up = jax.lax.dot_general(xs, wu, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+            hidden = activation(gate, up).astype(x.dtype)
+            y = jax.lax.dot_general(hidden, wd, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+            y = y.astype(x.dtype)
+            mine = ((rows >= first) & (rows < end))[:, None]  # leave other groups' rows untouched
+            y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, at, tile))
+            return jax.lax.dynamic_update_slice_in_dim(out, y, at, axis=0)
+
+        return jax.lax.fori_loop(0, (end - start + tile - 1) // tile, one_tile, out)
+
+    return jax.lax.fori_loop(0, num_active, one_expert, jnp.zeros_like(x))  # padding rows stay 0

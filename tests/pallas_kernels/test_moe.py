@@ -1,44 +1,36 @@
-"""MoE expert FFN (XLA and reference) and the gated activations against NumPy float64."""
+"""Routed-expert FFN: the XLA strategies and the reference against a NumPy float64 computation."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.moe import Mxfp4Tensor, expert_ffn, moe_ffn
+from pallas_kernels.moe import Mxfp4Tensor, expert_ffn, moe_ffn, xla
 from tests.convert.test_mxfp4 import np_decode
 
 E, F, D = 8, 32, 64
 SITU = GatedActivation("situ", 4.0, 25.0)
 SILU = GatedActivation("silu")
+DTYPES = {"f32": (jnp.float32, np.float32), "bf16": (jnp.bfloat16, ml_dtypes.bfloat16)}
+# "loop" and "ragged_dot" are the two grouped-matmul strategies of impl="xla" (CPU uses "loop").
+IMPLS = ["loop", "ragged_dot", "reference"]
+
+# Tolerances relative to the largest |output|. f32: fp32 sums of <= 64 products, a few 2**-24
+# roundings each. bf16: the hidden activation and each expert's output are rounded to bf16 (half
+# an ulp, 2**-9 relative); fp32 evaluation order can flip such a rounding against the float64
+# oracle, moving a value by one bf16 ulp (2**-8), so allow 2**-7 (2 ulps).
+TOL = {"f32": 2e-6, "bf16": 2.0 ** -7}
 
 
-def np_act(act, g, u):
-    if act.kind == "silu":
-        return g / (1 + np.exp(-g)) * u
-    up = act.linear_beta * np.tanh(u / act.linear_beta) if act.linear_beta else u
-    return act.beta * np.tanh(g / act.beta) / (1 + np.exp(-g)) * up
-
-
-@pytest.mark.parametrize("act", [SITU, SILU, GatedActivation("situ", 2.0, None)])
-def test_activations_match_numpy(act):
-    g, u = np.random.default_rng(0).standard_normal((2, 1000)) * 20
-    np.testing.assert_allclose(act(jnp.asarray(g), jnp.asarray(u)), np_act(act, g, u), rtol=1e-5, atol=1e-5)
-
-
-def test_activation_errors():
-    with pytest.raises(ValueError, match="unknown gated activation 'gelu'"):
-        GatedActivation("gelu")
-    with pytest.raises(ValueError, match="needs beta"):
-        GatedActivation("situ")
-
-
-def weights(mxfp4: bool, seed=0):
+def weights(kind, seed=0):
+    """w_gate, w_up [E, F, D] and w_down [E, D, F]: MXFP4 (random codes, scales giving outputs of
+    order 1) or plain f32."""
     rng = np.random.default_rng(seed)
 
     def one(out, inp):
-        if mxfp4:
+        if kind == "mxfp4":
             return Mxfp4Tensor(jnp.asarray(rng.integers(0, 256, (E, out, inp // 2)), jnp.uint8),
                                jnp.asarray(rng.integers(121, 125, (E, out, inp // 32)), jnp.uint8))
         return jnp.asarray(rng.standard_normal((E, out, inp)) / np.sqrt(inp), jnp.float32)
@@ -46,69 +38,139 @@ def weights(mxfp4: bool, seed=0):
     return one(F, D), one(F, D), one(D, F)
 
 
-def np_weight(w):
-    return np_decode(np.asarray(w.packed), np.asarray(w.scales)) if isinstance(w, Mxfp4Tensor) else np.asarray(w, np.float64)
+def np_weights(ws, np_dtype):
+    """float64 weights as the kernels see them: MXFP4 decoded independently, plain ones rounded to
+    the activation dtype."""
+    def one(w):
+        if isinstance(w, Mxfp4Tensor):
+            return np_decode(np.asarray(w.packed), np.asarray(w.scales))
+        return np.asarray(w).astype(np_dtype).astype(np.float64)
+    return [one(w) for w in ws]
 
 
-def np_moe(x, ids, wts, ws, act):
-    w1, w3, w2 = (np_weight(w) for w in ws)
-    out = np.zeros((x.shape[0], D))
-    for t in range(x.shape[0]):
-        for e, wt in zip(ids[t], wts[t]):
-            out[t] += wt * (np_act(act, w1[e] @ x[t], w3[e] @ x[t]) @ w2[e].T)
-    return out
+def np_activation(act, g, u):
+    sig = 0.5 * (1 + np.tanh(g / 2))
+    if act.kind == "silu":
+        return g * sig * u
+    return act.beta * np.tanh(g / act.beta) * sig * act.linear_beta * np.tanh(u / act.linear_beta)
 
 
-@pytest.mark.parametrize("mxfp4", [True, False])
-@pytest.mark.parametrize("tokens, k", [(3, 2), (5, 4), (40, 2)])  # t*k < E takes the compaction path
-@pytest.mark.parametrize("impl", ["xla", "reference"])
-def test_moe_ffn_matches_numpy(mxfp4, tokens, k, impl):
-    rng = np.random.default_rng(tokens)
-    ws = weights(mxfp4)
-    x = rng.standard_normal((tokens, D))
-    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)])
-    wts = rng.uniform(0, 1, (tokens, k))
-    out = jax.jit(lambda *a: moe_ffn(*a, *ws, activation=SITU, impl=impl))(
-        jnp.asarray(x, jnp.float32), jnp.asarray(ids, jnp.int32), jnp.asarray(wts, jnp.float32))
-    assert out.dtype == jnp.float32
-    np.testing.assert_allclose(out, np_moe(x, ids, wts, ws, SITU), rtol=1e-4, atol=1e-4)
+def np_ffn(x, e, ws, act, np_dtype):
+    """One row through expert e, in float64 with the spec's roundings to the activation dtype."""
+    w1, w3, w2 = ws
+    rnd = lambda a: a.astype(np_dtype).astype(np.float64)  # noqa: E731
+    return rnd(w2[e] @ rnd(np_activation(act, w1[e] @ x, w3[e] @ x)))
 
 
-def test_all_tokens_on_one_expert_and_bf16():
-    rng = np.random.default_rng(1)
-    ws = weights(True)
-    x = rng.standard_normal((16, D))
-    ids = np.full((16, 1), 5)
-    wts = np.ones((16, 1))
-    out = moe_ffn(jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids, jnp.int32), jnp.asarray(wts, jnp.float32), *ws,
-                  activation=SILU)
-    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
-    # bf16 activations (8-bit mantissa) into fp32-accumulated matmuls, hidden rounded to bf16 once
-    np.testing.assert_allclose(out, np_moe(xb, ids, wts, ws, SILU), rtol=3e-2, atol=3e-2)
+def inputs(dtype, rows, seed):
+    jdt, ndt = DTYPES[dtype]
+    x = np.random.default_rng(seed).standard_normal((rows, D)).astype(ndt)
+    return jnp.asarray(x, jdt), x.astype(np.float64)
 
 
-def test_expert_ffn_groups_empty_groups_and_padding_rows():
-    rng = np.random.default_rng(2)
-    ws = weights(True)
-    sizes = np.array([2, 0, 3, 0, 0, 1, 0, 1])  # empty groups; 7 rows used, 2 padding rows
-    x = rng.standard_normal((9, D))
-    got = expert_ffn(jnp.asarray(x, jnp.float32), jnp.asarray(sizes, jnp.int32), *ws, activation=SITU)
-    experts = np.repeat(np.arange(E), sizes)
-    want = np_moe(x[:7], experts[:, None], np.ones((7, 1)), ws, SITU)
-    np.testing.assert_allclose(got[:7], want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(got[7:], 0.0)
-    ref = expert_ffn(jnp.asarray(x, jnp.float32), jnp.asarray(sizes, jnp.int32), *ws, activation=SITU, impl="reference")
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+def run_expert_ffn(impl, *args, activation):
+    if impl == "reference":
+        return expert_ffn(*args, activation=activation, impl="reference")
+    return xla.expert_ffn(*args, activation=activation, strategy=impl)
 
 
-def test_bad_arguments():
-    ws = weights(False)
-    x = jnp.zeros((2, D))
-    with pytest.raises(ValueError, match="topk_ids"):
+def run_moe_ffn(impl, *args, activation):
+    if impl == "reference":
+        return moe_ffn(*args, activation=activation, impl="reference")
+    return xla.moe_ffn(*args, activation=activation, strategy=impl)
+
+
+def assert_close(got, want, dtype):
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=TOL[dtype] * scale)
+
+
+MAIN_COMBOS = [("mxfp4", "bf16"), ("plain", "f32")]  # K3 and a Kimi Linear run in f32
+ALL_COMBOS = MAIN_COMBOS + [("mxfp4", "f32"), ("plain", "bf16")]
+
+
+# The weight kind and dtype handling is shared by the strategies: all combinations on the CPU default.
+@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in IMPLS for c in (ALL_COMBOS if i == "loop" else
+                                                                                  MAIN_COMBOS)])
+def test_moe_ffn_matches_numpy(impl, wkind, dtype):
+    ws = weights(wkind)
+    np_ws = np_weights(ws, DTYPES[dtype][1])
+    # T*k < E (the ragged path then gathers only the active experts); T*k >= E with several rows
+    # per expert; every token on expert 5 (seven empty groups)
+    for tokens, k, one_expert in [(3, 2, False), (20, 3, False), (12, 1, True)]:
+        rng = np.random.default_rng(tokens)
+        x, x64 = inputs(dtype, tokens, tokens)
+        ids = np.full((tokens, 1), 5) if one_expert else np.stack([rng.choice(E, k, replace=False)
+                                                                   for _ in range(tokens)])
+        wts = rng.uniform(0, 1, (tokens, k)).astype(np.float32)
+        f = jax.jit(lambda *a: run_moe_ffn(impl, *a, activation=SITU))  # weights as arguments, not constants
+        out = f(x, jnp.asarray(ids, jnp.int32), jnp.asarray(wts), *ws)
+        assert out.dtype == jnp.float32 and out.shape == (tokens, D)
+        want = np.array([sum(wts[t, j] * np_ffn(x64[t], ids[t, j], np_ws, SITU, DTYPES[dtype][1]) for j in range(k))
+                         for t in range(tokens)])
+        assert_close(out, want, dtype)
+
+
+# (rows, group sizes): empty groups and padding rows past the sum; fewer rows than experts; a
+# group spanning several 8-row tiles, the last of which slides back over another group's rows; all
+# rows padding
+GROUPS = [(9, [2, 0, 3, 0, 0, 1, 0, 1]), (6, [0, 2, 0, 0, 1, 0, 0, 1]), (20, [3, 0, 0, 0, 0, 0, 0, 17]),
+          (5, [0] * 8)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("wkind, dtype", MAIN_COMBOS)
+def test_expert_ffn_groups_and_padding(impl, wkind, dtype):
+    ws = weights(wkind, seed=1)
+    np_ws = np_weights(ws, DTYPES[dtype][1])
+    for rows, sizes in GROUPS:
+        x, x64 = inputs(dtype, rows, rows)
+        got = jax.jit(lambda *a: run_expert_ffn(impl, *a, activation=SILU))(x, jnp.asarray(sizes, jnp.int32), *ws)
+        assert got.dtype == x.dtype and got.shape == (rows, D)
+        experts = np.repeat(np.arange(E), sizes)
+        used = len(experts)
+        want = np.array([np_ffn(x64[r], experts[r], np_ws, SILU, DTYPES[dtype][1]) for r in range(used)])
+        if used:
+            assert_close(got[:used], want, dtype)
+        np.testing.assert_array_equal(np.asarray(got[used:], np.float32), 0.0)  # padding rows
+
+
+def test_xla_matches_reference_through_the_public_api():
+    ws = weights("mxfp4", seed=2)
+    x, _ = inputs("bf16", 16, 3)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, E, (16, 4)), jnp.int32)  # repeats within a token too
+    wts = jnp.asarray(np.random.default_rng(4).uniform(0, 1, (16, 4)), jnp.float32)
+    f = jax.jit(moe_ffn, static_argnames=("activation", "impl"))  # GatedActivation as a static arg
+    got = f(x, ids, wts, *ws, activation=SITU, impl="auto")
+    want = f(x, ids, wts, *ws, activation=SITU, impl="reference")
+    assert_close(got, np.asarray(want, np.float64), "bf16")
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_no_tokens(impl):
+    ws = weights("mxfp4")
+    x = jnp.zeros((0, D), jnp.bfloat16)
+    out = moe_ffn(x, jnp.zeros((0, 4), jnp.int32), jnp.zeros((0, 4)), *ws, activation=SITU, impl=impl)
+    assert out.shape == (0, D) and out.dtype == jnp.float32
+    assert expert_ffn(x, jnp.zeros((E,), jnp.int32), *ws, activation=SITU, impl=impl).shape == (0, D)
+
+
+def test_bad_arguments_name_the_problem():
+    ws = weights("plain")
+    x, ids, wts = jnp.zeros((2, D)), jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 2))
+    with pytest.raises(ValueError, match=r"topk_ids \(3, 2\)"):
         moe_ffn(x, jnp.zeros((3, 2), jnp.int32), jnp.zeros((3, 2)), *ws, activation=SILU)
-    with pytest.raises(ValueError, match="x has shape"):
-        moe_ffn(jnp.zeros((2, D + 1)), jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 2)), *ws, activation=SILU)
-    with pytest.raises(ValueError, match="group_sizes"):
+    with pytest.raises(ValueError, match="integer expert ids"):
+        moe_ffn(x, wts, wts, *ws, activation=SILU)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 65\)"):
+        moe_ffn(jnp.zeros((2, D + 1)), ids, wts, *ws, activation=SILU)
+    with pytest.raises(ValueError, match="expert weights disagree"):
+        moe_ffn(x, ids, wts, ws[0], ws[0], ws[0], activation=SILU)
+    with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\)"):
         expert_ffn(x, jnp.zeros((3,), jnp.int32), *ws, activation=SILU)
-    with pytest.raises(ValueError, match="not available yet"):
-        moe_ffn(x, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 2)), *ws, activation=SILU, impl="pallas")
+    with pytest.raises(ValueError, match="Pallas MXFP4 grouped-matmul kernel is not available yet"):
+        moe_ffn(x, ids, wts, *ws, activation=SILU, impl="pallas")
+    with pytest.raises(ValueError, match="unknown impl 'triton'"):
+        moe_ffn(x, ids, wts, *ws, activation=SILU, impl="triton")
+    with pytest.raises(ValueError, match="unknown grouped-matmul strategy 'dense'"):
+        xla.moe_ffn(x, ids, wts, *ws, activation=SILU, strategy="dense")
