@@ -33,8 +33,9 @@ class HfParams:
         self.bytes_read = 0
         self._decoder, _ = layout.prefixes(cfg)
 
-    def model(self) -> dict[tuple, np.ndarray]:
-        """Model-level parameters (embedding, final norms, LM head) by parameter path."""
+    def model(self, shardings=None) -> dict[tuple, np.ndarray]:
+        """Model-level parameters (embedding, final norms, LM head) by parameter path (host arrays:
+        `shardings` is for sources that can read per device)."""
         rules = layout.model_rules(self.cfg)
         names = [self._decoder + r.name for r in rules]
         head = layout.lm_head_rule(self.cfg)
@@ -43,11 +44,13 @@ class HfParams:
             names.append(head.name)
         return {r.path: self._cast(r, self._read(r, n)) for r, n in zip(rules, names)}
 
-    def layer(self, index: int) -> dict[tuple, np.ndarray]:
+    def layer(self, index: int, shardings=None) -> dict[tuple, np.ndarray]:
         """Parameters of decoder layer `index`, by path relative to the layer module."""
         attn, mlp = self.cfg.layer_kinds()[index]
         prefix = f"{self._decoder}layers.{index}."
-        return {r.path: self._cast(r, self._read(r, prefix + r.name)) for r in layout.layer_rules(self.cfg, attn, mlp)}
+        arrays = {r.path: self._cast(r, self._read(r, prefix + r.name)) for r in layout.layer_rules(self.cfg, attn, mlp)}
+        self.reader.release()  # keep host memory at about one layer
+        return arrays
 
     def _cast(self, rule: layout.Rule, array: np.ndarray) -> np.ndarray:
         if self.dtype is None or rule.dtype == layout.U8:

@@ -165,6 +165,10 @@ def all_tensors(cfg: K3Config) -> dict[str, Rule]:
 _ITEMSIZE = {BF16: 2, F32: 4, U8: 1}
 
 
+def tensor_bytes(rule: Rule) -> int:
+    return math.prod(rule.shape) * _ITEMSIZE[rule.dtype]
+
+
 def checkpoint_bytes(cfg: K3Config) -> int:
     """Bytes of the text tensors of a checkpoint of this config, as published."""
-    return sum(math.prod(r.shape) * _ITEMSIZE[r.dtype] for r in all_tensors(cfg).values())
+    return sum(tensor_bytes(r) for r in all_tensors(cfg).values())

@@ -38,8 +38,8 @@ def key(path: tuple) -> str:
 class OrbaxParams:
     """Same interface as HfParams (`model()`, `layer(i)`, `check_unused()`), from a converted directory.
 
-    `shardings(path, shape)` (optional) gives the sharding each array is restored into, so every device
-    reads only its own slice.
+    `shardings` (optional, parameter path -> sharding) are what each array is restored into, so every
+    device reads only its own slice from storage.
     """
 
     def __init__(self, directory, cfg: K3Config):
@@ -48,18 +48,17 @@ class OrbaxParams:
         with open(os.path.join(self.directory, MANIFEST)) as f:
             self.manifest = json.load(f)
         self._checkpointer = ocp.StandardCheckpointer()
-        self.shardings = None
 
-    def model(self) -> dict[tuple, jax.Array]:
-        return self._restore(None)
+    def model(self, shardings: dict | None = None) -> dict[tuple, jax.Array]:
+        return self._restore(None, shardings or {})
 
-    def layer(self, index: int) -> dict[tuple, jax.Array]:
-        return self._restore(index)
+    def layer(self, index: int, shardings: dict | None = None) -> dict[tuple, jax.Array]:
+        return self._restore(index, shardings or {})
 
     def check_unused(self) -> None:
         """Nothing to check: the converter wrote exactly the parameters (the manifest lists them)."""
 
-    def _restore(self, layer: int | None) -> dict[tuple, jax.Array]:
+    def _restore(self, layer: int | None, shardings: dict) -> dict[tuple, jax.Array]:
         name = item_name(layer)
         entries = self.manifest["items"].get(name)
         if entries is None:
@@ -67,8 +66,7 @@ class OrbaxParams:
         target = {}
         for k, entry in entries.items():
             shape = tuple(entry["shape"])
-            sharding = self.shardings(tuple(k.split("/")), shape) if self.shardings else None
-            target[k] = jax.ShapeDtypeStruct(shape, entry["dtype"], sharding=sharding)
+            target[k] = jax.ShapeDtypeStruct(shape, entry["dtype"], sharding=shardings.get(tuple(k.split("/"))))
         path = os.path.join(self.directory, PARAMS_DIR, name)
         try:
             restored = self._checkpointer.restore(path, target)

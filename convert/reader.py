@@ -24,36 +24,33 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsReader:
-    """Maps tensor names to files and reads one tensor (or a slice of it) at a time."""
+    """Maps tensor names to files and reads one tensor at a time (each file's header parsed once)."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = os.fspath(directory)
-        self._files: dict[str, str] = {}  # tensor name -> file path
+        self._files: dict[str, tuple[str, str]] = {}  # canonical name -> (file path, name as stored)
+        self._handles: dict[str, object] = {}  # file path -> open safetensors handle
         index = os.path.join(self.directory, INDEX_FILE)
         if os.path.exists(index):
             with open(index) as f:
                 weight_map = json.load(f).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map'")
-            for name, file in weight_map.items():
-                self._files[name] = os.path.join(self.directory, file)
-            missing = sorted({p for p in self._files.values() if not os.path.exists(p)})
+            stored = {name: os.path.join(self.directory, file) for name, file in weight_map.items()}
+            missing = sorted({p for p in stored.values() if not os.path.exists(p)})
             if missing:
                 raise CheckpointError(f"{index} names shard files that do not exist: {missing[:3]}")
         else:
             shards = sorted(f for f in os.listdir(self.directory) if f.endswith(".safetensors"))
             if not shards:
                 raise CheckpointError(f"no *.safetensors files in {self.directory}")
+            stored = {}
             for file in shards:
                 path = os.path.join(self.directory, file)
-                with _open(path) as f:
-                    for name in f.keys():
-                        self._files[name] = path
+                stored.update({name: path for name in self._handle(path).keys()})
         # Published K3 checkpoints may use "language_model.layers.N." for "language_model.model.layers.N.".
-        for name in [n for n in self._files if _LAYER_ALIAS.match(n)]:
-            canonical = _LAYER_ALIAS.sub("language_model.model.layers.", name)
-            self._files.setdefault(canonical, self._files[name])
-            del self._files[name]
+        for name, path in stored.items():
+            self._files[_LAYER_ALIAS.sub("language_model.model.layers.", name)] = (path, name)
 
     def names(self) -> list[str]:
         return list(self._files)
@@ -62,30 +59,24 @@ class SafetensorsReader:
         return name in self._files
 
     def read(self, name: str) -> np.ndarray:
-        path = self._file(name)
-        with _open(path) as f:
-            stored = self._stored_name(f, name)
-            if stored not in f.keys():
-                raise CheckpointError(f"{path} does not hold tensor {name!r} although the index says so")
-            try:
-                return f.get_tensor(stored)
-            except Exception as error:  # safetensors raises its own types for truncated data
-                raise CheckpointError(f"{path}: cannot read tensor {name!r} ({error})") from error
-
-    def _file(self, name: str) -> str:
         if name not in self._files:
             raise CheckpointError(f"checkpoint {self.directory} has no tensor {name!r}")
-        return self._files[name]
+        path, stored = self._files[name]
+        try:
+            return self._handle(path).get_tensor(stored)
+        except CheckpointError:
+            raise
+        except Exception as error:  # safetensors raises its own types for missing or truncated data
+            raise CheckpointError(f"{path}: cannot read tensor {stored!r} ({error})") from error
 
-    @staticmethod
-    def _stored_name(handle, name: str) -> str:
-        if name in handle.keys():
-            return name
-        return name.replace("language_model.model.layers.", "language_model.layers.", 1)  # the alias form
+    def release(self) -> None:
+        """Closes the open files: their mapped pages stop counting against this process's memory."""
+        self._handles.clear()
 
-
-def _open(path: str):
-    try:
-        return safe_open(path, framework="numpy")
-    except Exception as error:  # a truncated or corrupt header
-        raise CheckpointError(f"{path} is not a readable safetensors file ({error})") from error
+    def _handle(self, path: str):
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(path, framework="numpy")
+            except Exception as error:  # a truncated or corrupt header
+                raise CheckpointError(f"{path} is not a readable safetensors file ({error})") from error
+        return self._handles[path]

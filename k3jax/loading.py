@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from convert.hf_params import HfParams
 from convert.orbax_params import OrbaxParams, is_converted
@@ -24,6 +24,8 @@ from convert.reader import CheckpointError
 from k3jax.config import K3Config
 from k3jax.decoder import K3Transformer, plan_segments
 from k3jax.model import K3Model, resolve_dtype
+from k3jax.placement import check_mesh
+from sharding.axes import named_sharding
 from sharding.mesh import make_mesh
 
 
@@ -32,9 +34,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> 
 
     `dtype` ("bfloat16" or "float32") is the weight and activation dtype; the gate parameters, conv
     weights and router bias stay float32 and MXFP4 experts stay packed. `mesh` (None, a string such as
-    "8x2", or a jax Mesh) places every parameter on the mesh; until the sharding table lands
-    ([sharding] issue) parameters are replicated there, and each device still gets only its slice
-    from the host (safetensors) or from storage (Orbax).
+    "8x2", or a jax Mesh) places every parameter with the sharding of the logical-axis table
+    (`sharding.axes`); each device gets only its slice, from host memory (safetensors) or straight
+    from storage (Orbax).
     """
     cfg = K3Config.from_pretrained(path)
     mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
@@ -42,21 +44,23 @@ def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> 
     abstract = nnx.eval_shape(lambda: K3Transformer(cfg, dtype=resolve_dtype(dtype)))
     graphdef, state = nnx.split(abstract)
     targets = dict(nnx.to_flat_state(state))
-    if isinstance(source, OrbaxParams):
-        source.shardings = lambda path, shape: _sharding(mesh, len(shape))
+    if mesh is not None:
+        check_mesh(cfg, mesh)
 
     values = {}
-    _fill(values, targets, (), source.model(), mesh)
+    _fill(values, targets, (), source.model(_row_shardings(targets, (), mesh, stacked=False)), mesh)
     for s, seg in enumerate(plan_segments(cfg)):
         for j in range(len(seg.kinds)):
+            prefix = ("segments", s, "layers", j)
+            shardings = _row_shardings(targets, prefix, mesh, stacked=True)
             for r in range(seg.repeats):
-                _fill(values, targets, ("segments", s, "layers", j), source.layer(seg.layer_index(j, r)), mesh, r)
+                _fill(values, targets, prefix, source.layer(seg.layer_index(j, r), shardings), mesh, r)
     source.check_unused()
     missing = sorted(".".join(map(str, p)) for p in targets if p not in values)
     if missing:
         raise CheckpointError(f"the checkpoint filled no value for parameters {missing[:5]}")
     params = nnx.from_flat_state([(p, targets[p].replace(values[p])) for p in targets])
-    return K3Model(cfg, graphdef, params)
+    return K3Model(cfg, graphdef, params, mesh)
 
 
 def _fill(values: dict, targets: dict, prefix: tuple, arrays: dict, mesh, row: int | None = None):
@@ -71,22 +75,31 @@ def _fill(values: dict, targets: dict, prefix: tuple, arrays: dict, mesh, row: i
         if tuple(array.shape) != tuple(shape):
             raise CheckpointError(f"{'.'.join(map(str, path))}: the checkpoint gives shape {tuple(array.shape)}, "
                                   f"the model needs {tuple(shape)}")
-        placed[path] = _place(array, target.dtype, _sharding(mesh, len(shape)))
+        axes = targets[path].logical_axes if row is None else targets[path].logical_axes[1:]
+        placed[path] = _place(array, target.dtype, _sharding(mesh, axes, shape))
     if row is None:
         values.update(placed)
         return
     if row == 0:  # first layer of the segment position: allocate the stacked parameters once
-        shapes = {p: (targets[p].get_value().shape, targets[p].get_value().dtype) for p in placed}
-        values.update(_zeros(shapes, mesh))
+        values.update(_zeros({p: targets[p] for p in placed}, mesh))
     stacked = _set_rows({p: values[p] for p in placed}, row, placed)
     values.update(stacked)
 
 
-def _sharding(mesh: Mesh | None, ndim: int):
-    """The placement of a parameter: replicated over the mesh until the sharding table lands."""
+def _row_shardings(targets: dict, prefix: tuple, mesh, stacked: bool) -> dict | None:
+    """Sharding of each array a source returns under `prefix` (one layer's row when stacked)."""
     if mesh is None:
         return None
-    return NamedSharding(mesh, PartitionSpec(*([None] * ndim)))
+    out = {}
+    for path, v in targets.items():
+        if path[:len(prefix)] == prefix and (path[0] == "segments") == stacked:
+            shape, axes = v.get_value().shape, v.logical_axes
+            out[path[len(prefix):]] = _sharding(mesh, axes[1:], shape[1:]) if stacked else _sharding(mesh, axes, shape)
+    return out
+
+
+def _sharding(mesh: Mesh | None, axes: tuple[str, ...], shape):
+    return None if mesh is None else named_sharding(axes, tuple(shape), mesh)
 
 
 def _place(array, dtype, sharding):
@@ -98,8 +111,9 @@ def _place(array, dtype, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])  # per-device slices
 
 
-def _zeros(shapes: dict, mesh):
-    shardings = {p: _sharding(mesh, len(shape)) for p, (shape, _) in shapes.items()}
+def _zeros(variables: dict, mesh):
+    shapes = {p: (v.get_value().shape, v.get_value().dtype) for p, v in variables.items()}
+    shardings = {p: _sharding(mesh, v.logical_axes, shapes[p][0]) for p, v in variables.items()}
     make = jax.jit(lambda: {p: jnp.zeros(shape, dtype) for p, (shape, dtype) in shapes.items()},
                    out_shardings=shardings if mesh is not None else None)
     return make()

@@ -8,9 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config import K3Config
 from k3jax.decoder import DecodeState, K3Transformer, init_cache
+from k3jax.placement import cache_shardings, check_mesh, place_params
+from sharding.mesh import make_mesh
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -33,22 +36,29 @@ class K3Model:
 
     The parameters are an nnx.State (`params`) and the module structure a GraphDef (`graphdef`); every
     call is a pure jitted function of both, with the caches passed in and returned (and donated).
+    With a `mesh`, parameters and caches carry the shardings of the logical-axis table, batches are
+    split over `data`, XLA partitions the rest and the routed experts run expert-parallel.
     """
 
-    def __init__(self, config: K3Config, graphdef, params):
+    def __init__(self, config: K3Config, graphdef, params, mesh: Mesh | None = None):
         self.config = config
         self.graphdef = graphdef
+        self.mesh = mesh
+        if mesh is not None:
+            check_mesh(config, mesh)
+            params = place_params(params, mesh)
         self.params = params
 
     @classmethod
-    def from_module(cls, module: K3Transformer) -> "K3Model":
+    def from_module(cls, module: K3Transformer, mesh: Mesh | None = None) -> "K3Model":
         graphdef, params = nnx.split(module)
-        return cls(module.cfg, graphdef, params)
+        return cls(module.cfg, graphdef, params, mesh)
 
     @classmethod
-    def random(cls, config: K3Config, *, dtype="float32", seed: int = 0) -> "K3Model":
-        """Randomly initialised weights (tests, notebooks, benchmarks)."""
-        return cls.from_module(K3Transformer(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed)))
+    def random(cls, config: K3Config, *, dtype="float32", seed: int = 0, mesh=None) -> "K3Model":
+        """Randomly initialised weights (tests, notebooks, benchmarks); `mesh` as in from_pretrained."""
+        module = K3Transformer(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed))
+        return cls.from_module(module, make_mesh(mesh) if isinstance(mesh, str) else mesh)
 
     @property
     def dtype(self):
@@ -57,11 +67,24 @@ class K3Model:
     def logits(self, input_ids, lengths=None) -> np.ndarray:
         """Full causal forward without a cache: float32 [B, T, vocab]."""
         tokens, lengths = self._tokens(input_ids, lengths)
-        logits, _ = _forward(self.graphdef, self.params, tokens, lengths, None)
+        logits, _ = self._run(tokens, lengths, None)
         return np.asarray(logits)
 
     def init_cache(self, batch: int, max_len: int) -> DecodeState:
-        return init_cache(self.config, batch, max_len, self.dtype)
+        cache = init_cache(self.config, batch, max_len, self.dtype)
+        if self.mesh is None:
+            return cache
+        return jax.device_put(cache, cache_shardings(cache, self.mesh))
+
+    def _run(self, tokens, lengths, cache):
+        if self.mesh is None:
+            return _forward(self.graphdef, self.params, tokens, lengths, cache)
+        batch = NamedSharding(self.mesh, PartitionSpec("data"))
+        if tokens.shape[0] % self.mesh.shape["data"]:
+            raise ValueError(f"a batch of {tokens.shape[0]} sequences does not divide over data={self.mesh.shape['data']}")
+        with jax.set_mesh(self.mesh):
+            return _forward(self.graphdef, self.params, jax.device_put(tokens, batch),
+                            jax.device_put(lengths, batch), cache)
 
     def prefill(self, input_ids, lengths=None, *, max_len: int | None = None, cache: DecodeState | None = None):
         """Runs the prompt (right-padded [B, T], `lengths` real tokens each) and returns
@@ -69,12 +92,12 @@ class K3Model:
         tokens, lengths = self._tokens(input_ids, lengths)
         if cache is None:
             cache = self.init_cache(tokens.shape[0], max_len or tokens.shape[1])
-        return _forward(self.graphdef, self.params, tokens, lengths, cache)
+        return self._run(tokens, lengths, cache)
 
     def decode(self, tokens, cache: DecodeState):
         """One token per sequence: tokens [B] -> (logits float32 [B, vocab], cache)."""
         tokens = jnp.asarray(tokens, jnp.int32).reshape(-1, 1)
-        logits, cache = _forward(self.graphdef, self.params, tokens, jnp.ones((tokens.shape[0],), jnp.int32), cache)
+        logits, cache = self._run(tokens, jnp.ones((tokens.shape[0],), jnp.int32), cache)
         return logits[:, 0], cache
 
     def _tokens(self, input_ids, lengths):

@@ -97,8 +97,8 @@ K3_TINY_TEXT = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 10,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
+    "num_attention_heads": 8,  # 8 heads and 16 experts: whole heads and experts per device on 8x2
+    "num_key_value_heads": 8,
     "q_lora_rank": 32,
     "kv_lora_rank": 32,
     "qk_nope_head_dim": 16,
@@ -112,7 +112,7 @@ K3_TINY_TEXT = {
     "attn_res_block_size": 4,
     "linear_attn_config": {
         **_k3_layer_lists(10, 4),
-        "num_heads": 4,
+        "num_heads": 8,
         "head_dim": 16,
         "short_conv_kernel_size": 4,
         "gate_lower_bound": -5.0,

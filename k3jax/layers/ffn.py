@@ -12,6 +12,7 @@ from k3jax.layers.common import Linear, RMSNorm, param
 from pallas_kernels import moe as moe_ops
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import Mxfp4Tensor
+from sharding.expert_parallel import context_mesh, expert_parallel_moe
 
 # E2M1 codes spread over all 16 values have RMS sqrt(mean(v^2)) ~= 2.93; used to pick random scales.
 _E2M1_RMS = 2.93
@@ -54,8 +55,15 @@ class RoutedExperts(nnx.Module):
         self.w2 = nnx.data(_expert_weight(cfg, (e, d, f), ("experts", "expert_embed", "expert_mlp"), dtype, rngs))
 
     def __call__(self, x, topk_ids, topk_weights, activation):
-        return moe_ops.moe_ffn(x, topk_ids, topk_weights, _value(self.w1), _value(self.w3), _value(self.w2),
-                               activation=activation)
+        weights = (_value(self.w1), _value(self.w3), _value(self.w2))
+        mesh = context_mesh()
+        if mesh is None:
+            return moe_ops.moe_ffn(x, topk_ids, topk_weights, *weights, activation=activation)
+
+        def grouped_ffn(rows, sizes, w1, w3, w2):
+            return moe_ops.expert_ffn(rows, sizes, w1, w3, w2, activation=activation)
+
+        return expert_parallel_moe(grouped_ffn, x, topk_ids, topk_weights, weights, mesh=mesh)
 
 
 def _expert_weight(cfg, shape, axes, dtype, rngs):

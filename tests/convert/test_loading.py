@@ -62,7 +62,7 @@ def test_k3_checkpoint_loads_and_places_every_tensor(k3_dir):
                                   tensors[f"{p}9.block_sparse_moe.experts.3.w2.weight_packed"])
     a_log = tensors[f"{p}2.self_attn.A_log"]
     assert a_log.shape == (16,)  # stored head_dim long; the first num_heads entries are used
-    np.testing.assert_array_equal(_param(model, 2, "self_attn", "A_log"), a_log[:4])
+    np.testing.assert_array_equal(_param(model, 2, "self_attn", "A_log"), a_log[:8])
     np.testing.assert_array_equal(_param(model, 6, "self_attn", "k_conv1d"),
                                   tensors[f"{p}6.self_attn.k_conv1d.weight"][:, 0, :].T)
     np.testing.assert_array_equal(_param(model, 4, "mlp_res", "proj"),
@@ -99,7 +99,7 @@ def test_alias_prefix_and_vision_tensors_are_accepted(k3_dir, tmp_path):
     (lambda t: {k: v for k, v in t.items() if not k.endswith("layers.3.self_attn.q_b_proj.weight")},
      "no tensor 'language_model.model.layers.3.self_attn.q_b_proj.weight'"),
     (lambda t: {**t, "language_model.model.layers.2.self_attn.o_proj.weight": np.zeros((3, 3), np.float32)},
-     r"layers.2.self_attn.o_proj.weight has shape \(3, 3\), expected \(64, 64\)"),
+     r"layers.2.self_attn.o_proj.weight has shape \(3, 3\), expected \(64, 128\)"),
     (lambda t: {**t, "language_model.model.layers.1.self_attn.surprise.weight": np.zeros(2, np.float32)},
      "match no parameter"),
 ])

@@ -64,5 +64,6 @@ def test_layer_matches_numpy_and_carries_state(make_cfg):
         for t in range(66, 70):
             o, cache = layer(jnp.asarray(x[:, t:t + 1], jnp.float32), cache, *ones(1))
             outs.append(o)
-    np.testing.assert_allclose(first[0], ref_first, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1)[0], ref_next, rtol=1e-4, atol=1e-5)
+    # fp32 over 66 recurrent steps: 1e-4 relative, 5e-5 absolute for outputs near zero
+    np.testing.assert_allclose(first[0], ref_first, rtol=1e-4, atol=5e-5)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1)[0], ref_next, rtol=1e-4, atol=5e-5)

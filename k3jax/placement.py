@@ -1,0 +1,50 @@
+"""Where every parameter and cache array lives on a mesh: the logical axes the model declares,
+mapped through the one table in `sharding.axes`."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from k3jax.config import K3Config
+from k3jax.decoder import DecodeState
+from k3jax.layers.kda import KDACache
+from k3jax.layers.mla import MLACache
+from sharding.axes import named_sharding
+
+CACHE_AXES = {
+    KDACache: KDACache(conv=("layers", "batch", "conv_tap", "cache_channels"),
+                       state=("layers", "batch", "cache_heads", "head_dim", "head_dim")),
+    MLACache: MLACache(latent=("layers", "batch", "sequence", "cache_width")),
+}
+
+
+def check_mesh(cfg: K3Config, mesh: Mesh) -> None:
+    """Whole heads and whole experts per device, or an error saying what does not divide."""
+    model, devices = mesh.shape["model"], mesh.shape["model"] * mesh.shape["data"]
+    counts = [(cfg.kda_num_heads, "KDA heads", "model", model), (cfg.num_attention_heads, "MLA heads", "model", model)]
+    if cfg.num_experts:
+        counts.append((cfg.num_experts, "routed experts", "data x model", devices))
+    for count, what, axis, ways in counts:
+        if count % ways:
+            raise ValueError(f"{count} {what} do not divide over {axis}={ways}")
+
+
+def place_params(params: nnx.State, mesh: Mesh) -> nnx.State:
+    """Each parameter onto the mesh with the sharding its logical axes name."""
+
+    def place(v):
+        sharding = named_sharding(v.logical_axes, v.shape, mesh)
+        return v.replace(jax.device_put(v[...], sharding))
+
+    return jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def cache_shardings(cache: DecodeState, mesh: Mesh) -> DecodeState:
+    def layer(c):
+        axes = CACHE_AXES[type(c)]
+        return type(c)(*(named_sharding(a, x.shape, mesh) for a, x in zip(axes, c)))
+
+    layers = tuple(tuple(layer(c) for c in seg) for seg in cache.layers)
+    return DecodeState(layers, named_sharding(("batch",), cache.lengths.shape, mesh))
