@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config import K3Config
 from k3jax.decoder import DecodeState, K3Transformer, init_cache
-from k3jax.placement import cache_shardings, check_mesh, place_params
+from k3jax.placement import cache_shardings, check_mesh, place_params, put
 from sharding.mesh import make_mesh
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -68,13 +69,15 @@ class K3Model:
         """Full causal forward without a cache: float32 [B, T, vocab]."""
         tokens, lengths = self._tokens(input_ids, lengths)
         logits, _ = self._run(tokens, lengths, None)
+        if not logits.is_fully_addressable:  # a mesh over several processes: every process gets all
+            logits = multihost_utils.process_allgather(logits, tiled=True)
         return np.asarray(logits)
 
     def init_cache(self, batch: int, max_len: int) -> DecodeState:
-        cache = init_cache(self.config, batch, max_len, self.dtype)
+        make = functools.partial(init_cache, self.config, batch, max_len, self.dtype)
         if self.mesh is None:
-            return cache
-        return jax.device_put(cache, cache_shardings(cache, self.mesh))
+            return make()
+        return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), self.mesh))()
 
     def _run(self, tokens, lengths, cache):
         if self.mesh is None:
@@ -83,8 +86,7 @@ class K3Model:
         if tokens.shape[0] % self.mesh.shape["data"]:
             raise ValueError(f"a batch of {tokens.shape[0]} sequences does not divide over data={self.mesh.shape['data']}")
         with jax.set_mesh(self.mesh):
-            return _forward(self.graphdef, self.params, jax.device_put(tokens, batch),
-                            jax.device_put(lengths, batch), cache)
+            return _forward(self.graphdef, self.params, put(tokens, batch), put(lengths, batch), cache)
 
     def prefill(self, input_ids, lengths=None, *, max_len: int | None = None, cache: DecodeState | None = None):
         """Runs the prompt (right-padded [B, T], `lengths` real tokens each) and returns

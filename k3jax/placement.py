@@ -4,6 +4,7 @@ mapped through the one table in `sharding.axes`."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -36,9 +37,19 @@ def place_params(params: nnx.State, mesh: Mesh) -> nnx.State:
 
     def place(v):
         sharding = named_sharding(v.logical_axes, v.shape, mesh)
-        return v.replace(jax.device_put(v[...], sharding))
+        value = v.get_value()
+        if isinstance(value, jax.Array) and value.sharding == sharding:
+            return v
+        return v.replace(put(value, sharding))
 
     return jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def put(value, sharding):
+    """Places a value every process holds whole: each device takes its slice from host memory
+    (works on a mesh spanning several processes, where device_put of a local array does not)."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def cache_shardings(cache: DecodeState, mesh: Mesh) -> DecodeState:
