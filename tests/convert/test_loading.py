@@ -102,6 +102,11 @@ def test_alias_prefix_and_vision_tensors_are_accepted(k3_dir, tmp_path):
      r"layers.2.self_attn.o_proj.weight has shape \(3, 3\), expected \(64, 128\)"),
     (lambda t: {**t, "language_model.model.layers.1.self_attn.surprise.weight": np.zeros(2, np.float32)},
      "match no parameter"),
+    (lambda t: {**t, "language_model.model.layers.4.self_attn.dt_bias": np.zeros(128, np.int32)},
+     "layers.4.self_attn.dt_bias has dtype int32, expected a float type"),
+    (lambda t: {**t, "language_model.model.layers.5.block_sparse_moe.experts.2.w3.weight_scale":
+                np.zeros((32, 1), np.float32)},
+     "experts.2.w3.weight_scale has dtype float32, expected uint8"),
 ])
 def test_bad_checkpoints_name_the_tensor(k3_dir, tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message):
