@@ -1,188 +1,278 @@
-"""KDA in XLA: the chunked (WY/UT) form for prefill and a token scan for decode.
+"""KDA prefill in XLA: fla's chunked (WY / UT) form, 64-token chunks.
 
-Chunked form, per head and chunk of C tokens with in-chunk cumulative log decay G (all <= 0, and
-decreasing along the chunk) and the state S0 before the chunk:
-    A[t, s]   = beta_t sum_c k_t[c] k_s[c] exp(G_t[c] - G_s[c])   (s < t)
-    Aqk[t, s] = sum_c q_t[c] k_s[c] exp(G_t[c] - G_s[c])          (s <= t)
-    U = (I + A)^-1 (beta V) - (I + A)^-1 (beta K exp(G)) S0         (the delta-rule writes)
-    O = (Q exp(G)) S0 + Aqk U
-    S = exp(G_C) S0 + (K exp(G_C - G))^T U
-Every exponent above is <= 0 except inside A and Aqk, which are built from 16-token sub-blocks
-without overflow for any gate <= 0, including Kimi Linear's unbounded one (see _intra_scores).
-Everything except the state passing is computed for all chunks at once; only the cheap
-S -> U, O, S' step runs in a scan over chunks.
+Per head and chunk, with G the in-chunk cumulative log decay (per key channel, non-increasing),
+and S the state [K, V] before the chunk:
+    A[i, j]   = beta_i sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])     (j < i)
+    Aqk[i, j] = sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])            (j <= i)
+    u = (I + A)^-1 (beta v),   w = (I + A)^-1 (beta k exp(G))
+    v' = u - w S;   o = (q exp(G)) S + Aqk v';   S <- exp(G_last) S + (k exp(G_last - G))^T v'
+v' holds the delta-rule writes of the chunk; only the last line carries anything between chunks.
+
+The sequence runs as a scan over steps of a few chunks (about CHUNK_HEADS_PER_STEP chunk-heads):
+the per-chunk algebra is batched over the step and only the state passing is an inner scan over
+its chunks. Inputs are cast, normalised and scaled as each step loads them. Batching over the
+whole sequence instead makes every intermediate as large as the sequence: on CPU such fresh
+buffers cost more in page faults than the arithmetic, and the steps bound the memory of long
+prompts. Even so, on a 2-core CPU the token scan (reference.py) is the faster XLA form at K = V = 64
+(benchmarks/kda_chunked_vs_recurrent.py): the chunked form does more arithmetic, in small matmuls.
+
+Every decay exponent is a sum of g over an interval of tokens, added up from pieces of one sign
+(_DecaySums): a difference of two cumulative sums would carry an error of |G| * eps, far above fp32
+rounding when the gates are strong.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kda.reference import l2_normalize
 
 CHUNK = 64
-SUB = 16
-SAFE_SPAN = 60.0  # exp(60) ~ 1e26: far from fp32 overflow even after products
+CHUNK_HEADS_PER_STEP = 32
+BLOCK = 16  # sub-block of a chunk, for the scores and the triangular solve
+BLOCKS = CHUNK // BLOCK
+# Largest exponent a factor of the split decay may carry (see _scores_fast): exp(40) ~ 2e17 leaves
+# fp32 headroom both ways. K3's gate (g > -5 per step) always fits: 8 steps * 5 = 40.
+SAFE_EXPONENT = 40.0
+
+# fp32 products throughout: the default precision would let GPUs use TF32 and TPUs bf16 passes,
+# which would also round the 0/+-1 sums of g below.
+_einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
-def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens):
-    """Inputs fp32 [B, T, H, *], normalised; returns (o fp32 [B, T, H, V], final state)."""
-    q = q * scale
-    if cu_seqlens is not None:
-        return _chunk_packed(q, k, v, g, beta, initial_state, cu_seqlens)
+def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm):
+    """q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], any float dtype; initial_state fp32.
+    Returns (o fp32 [B, T, H, V], final state fp32 [N, H, K, V])."""
     b, t, h, _ = q.shape
-    n = -(-t // CHUNK)
-    chunks = [_to_chunks(a, n) for a in (q, k, v, g, beta)]  # [B, N, H, C, *]
-    o, state = _inter(_prepare(*chunks), initial_state)
-    return _from_chunks(o, t), state
-
-
-def fused_recurrent_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens):
-    """Token-by-token scan (decode: T is small). Packed sequences restart from their own state."""
-    b, t, h, _ = q.shape
-    q = q * scale
+    run = functools.partial(_chunked, scale=scale, initial_state=initial_state, l2norm=l2norm)
     if cu_seqlens is None:
-        seq = jnp.zeros((t,), jnp.int32)
-        first = jnp.arange(t) == 0
-        states = initial_state
-    else:
-        seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(t), side="right").astype(jnp.int32)
-        first = jnp.arange(t) == cu_seqlens[seq]
-        states = initial_state[:, None]  # [N, 1 (batch), H, K, V]
+        group, steps = _grouping(-(-t // CHUNK), b * h)
+        padded = steps * group * CHUNK
 
-    def step(carry, xs):
-        state, finals = carry
-        q_t, k_t, v_t, g_t, b_t, n, is_first = xs
-        if cu_seqlens is not None:
-            state = jnp.where(is_first, finals[n], state)
-        state = state * jnp.exp(g_t)[..., None]
-        error = v_t - jnp.einsum("bhkv,bhk->bhv", state, k_t)
-        state = state + jnp.einsum("bhk,bhv->bhkv", k_t, b_t[..., None] * error)
-        if cu_seqlens is not None:
-            finals = jax.lax.dynamic_update_index_in_dim(finals, state, n, axis=0)
-        return (state, finals), jnp.einsum("bhkv,bhk->bhv", state, q_t)
+        def pad(x):  # zero q, k, v, beta and g leave the state as it is
+            return x if padded == t else jnp.pad(x, [(0, 0), (0, padded - t)] + [(0, 0)] * (x.ndim - 2))
 
-    init = initial_state if cu_seqlens is None else jnp.zeros_like(states[0])
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)) + (seq, first)
-    (state, finals), o = jax.lax.scan(step, (init, states), xs)
-    return jnp.moveaxis(o, 0, 1), state if cu_seqlens is None else finals[:, 0]
+        o, final = run(*map(pad, (q, k, v, g, beta)), segments=None, group=group)
+        return o[:, :t], final
 
-
-def _to_chunks(x, n):
-    """[B, T, H, *] -> [B, N, H, C, *], zero-padded (g = beta = 0 leaves the state unchanged)."""
-    b, t, h = x.shape[:3]
-    x = jnp.pad(x, [(0, 0), (0, n * CHUNK - t)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape(b, n, CHUNK, h, *x.shape[3:])
-    return jnp.moveaxis(x, 3, 2)
-
-
-def _from_chunks(o, t):
-    b, n, h, c, v = o.shape
-    return jnp.moveaxis(o, 2, 3).reshape(b, n * c, h, v)[:, :t]
-
-
-def _prepare(q, k, v, g, beta):
-    """Per-chunk quantities for all chunks at once; arrays [..., C, *]."""
-    big_g = jnp.cumsum(g, axis=-2)
-    a_kk, a_qk = _intra_scores(q, k, big_g)
-    a = beta[..., :, None] * a_kk
-    rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * jnp.exp(big_g)], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u, w = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
-    last = big_g[..., -1:, :]
-    return u, w, q * jnp.exp(big_g), a_qk, k * jnp.exp(last - big_g), jnp.exp(last[..., 0, :])
-
-
-def _intra_scores(q, k, big_g):
-    """Strictly lower k.k and lower-inclusive q.k scores with per-channel decay: [..., C, C] each.
-
-    Across 16-token sub-blocks a > b, exp(G_i - G_j) = exp(G_i - G_a0) exp(G_a0 - G_b1) exp(G_b1 - G_j)
-    (a0: first token of a, b1: last of b), every factor <= 1. Inside a sub-block the same split at
-    its first token needs exp(G_a0 - G_j) >= 1, which is safe while a sub-block decays by less than
-    e^-SAFE_SPAN (always for K3's gate bound of -5); otherwise the exact rank-3 form is used.
-    """
-    lead, c, dk = q.shape[:-2], q.shape[-2], q.shape[-1]
-    n = c // SUB
-    qs, ks, gs = (x.reshape(*lead, n, SUB, dk) for x in (q, k, big_g))
-    first, last = gs[..., :, :1, :], gs[..., :, -1:, :]
-    qs_up, ks_up = qs * jnp.exp(gs - first), ks * jnp.exp(gs - first)
-    ks_down = ks * jnp.exp(last - gs)
-    cross = jnp.exp(jnp.minimum(first[..., :, None, 0, :] - last[..., None, :, 0, :], 0.0))  # [..., a, b, K]
-    off_kk = jnp.einsum("...aik,...abk,...bjk->...abij", ks_up, cross, ks_down)
-    off_qk = jnp.einsum("...aik,...abk,...bjk->...abij", qs_up, cross, ks_down)
-
-    def factored():
-        ks_inv = ks * jnp.exp(first - gs)
-        return (jnp.einsum("...aik,...ajk->...aij", ks_up, ks_inv),
-                jnp.einsum("...aik,...ajk->...aij", qs_up, ks_inv))
-
-    def rank3():
-        decay = jnp.exp(jnp.minimum(gs[..., :, :, None, :] - gs[..., :, None, :, :], 0.0))  # [..., a, i, j, K]
-        return (jnp.einsum("...aik,...aijk,...ajk->...aij", ks, decay, ks),
-                jnp.einsum("...aik,...aijk,...ajk->...aij", qs, decay, ks))
-
-    diag_kk, diag_qk = jax.lax.cond(jnp.all(first - last < SAFE_SPAN), factored, rank3)
-    blocks = jnp.arange(n)
-    below = (blocks[:, None] > blocks[None, :])[:, :, None, None]
-    same = (blocks[:, None] == blocks[None, :])[:, :, None, None]
-    i = jnp.arange(SUB)
-    strict, inclusive = i[:, None] > i[None, :], i[:, None] >= i[None, :]
-
-    def assemble(off, diag, tri):
-        full = jnp.where(below, off, 0.0) + jnp.where(same, jnp.where(tri, diag, 0.0)[..., :, None, :, :], 0.0)
-        return jnp.swapaxes(full, -3, -2).reshape(*lead, c, c)
-
-    return assemble(off_kk, diag_kk, strict), assemble(off_qk, diag_qk, inclusive)
-
-
-def _chunk_step(state, u, w, qg, a_qk, kg, decay):
-    """One chunk's state passing: state [..., K, V] -> (o [..., C, V], next state)."""
-    writes = u - jnp.einsum("...ck,...kv->...cv", w, state)
-    o = jnp.einsum("...ck,...kv->...cv", qg, state) + jnp.einsum("...cs,...sv->...cv", a_qk, writes)
-    return o, decay[..., :, None] * state + jnp.einsum("...ck,...cv->...kv", kg, writes)
-
-
-def _inter(prepared, initial_state):
-    """Scan over chunks for batched sequences; prepared arrays [B, N, H, ...]."""
-
-    def step(state, xs):
-        o, state = _chunk_step(state, *xs)
-        return state, o
-
-    state, o = jax.lax.scan(step, initial_state, tuple(jnp.moveaxis(a, 1, 0) for a in prepared))
-    return jnp.moveaxis(o, 0, 1), state
-
-
-def _chunk_packed(q, k, v, g, beta, initial_state, cu_seqlens):
-    """Packed sequences (B = 1): each starts at a chunk boundary of a padded layout, so no chunk
-    spans two sequences; the state restarts from the sequence's initial state at its first chunk."""
-    t = q.shape[1]
+    # Packed sequences: each one starts on a chunk boundary of a padded layout, so no chunk holds
+    # two sequences. The chunk count has a static bound: L tokens take at most (L + CHUNK - 1) // CHUNK.
     num_seqs = initial_state.shape[0]
-    n = -(-t // CHUNK) + num_seqs  # chunks needed in the worst case
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq_chunks = (lengths + CHUNK - 1) // CHUNK
-    chunk_start = jnp.cumsum(seq_chunks) - seq_chunks
-    token_seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(t), side="right")
-    dest = chunk_start[token_seq] * CHUNK + jnp.arange(t) - cu_seqlens[token_seq]
+    group, steps = _grouping((t + num_seqs * (CHUNK - 1)) // CHUNK, h)
+    dest, segments = _packed_layout(cu_seqlens.astype(jnp.int32), t, steps * group)
 
     def scatter(x):
-        return jnp.zeros((n * CHUNK, *x.shape[2:]), x.dtype).at[dest].set(x[0])[None]
+        return jnp.zeros((1, steps * group * CHUNK, *x.shape[2:]), x.dtype).at[:, dest].set(x)
 
-    chunks = [_to_chunks(scatter(a), n)[0] for a in (q, k, v, g, beta)]  # [N, H, C, *]
-    prepared = _prepare(*chunks)
-    index = jnp.arange(n)
-    chunk_seq = jnp.clip(jnp.searchsorted(chunk_start + seq_chunks, index, side="right"), 0, num_seqs)
-    owner = jnp.minimum(chunk_seq, num_seqs - 1)
-    first = (index == chunk_start[owner]) & (chunk_seq < num_seqs)
-    last = (index == chunk_start[owner] + seq_chunks[owner] - 1) & (chunk_seq < num_seqs)
+    o, finals = run(*map(scatter, (q, k, v, g, beta)), segments=segments, group=group)
+    return o[:, dest], finals
 
-    def step(carry, xs):
-        state, finals = carry
-        s, is_first, is_last, *arrays = xs
-        state = jnp.where(is_first, initial_state[s], state)
-        o, state = _chunk_step(state, *arrays)
-        finals = jax.lax.dynamic_update_index_in_dim(finals, jnp.where(is_last, state, finals[s]), s, axis=0)
-        return (state, finals), o
 
-    zeros = jnp.zeros_like(initial_state[0])
-    (_, finals), o = jax.lax.scan(step, (zeros, initial_state), (owner, first, last, *prepared))
-    o = jnp.moveaxis(o, 1, 2).reshape(n * CHUNK, o.shape[1], o.shape[-1])  # [N*C, H, V]
-    return o[dest][None], finals
+def _grouping(num_chunks, rows):
+    """(chunks per step, steps) covering num_chunks (at least one chunk) with as little padding as possible."""
+    most = max(1, min(num_chunks, CHUNK_HEADS_PER_STEP // rows))
+    steps = max(1, -(-num_chunks // most))
+    return max(1, -(-num_chunks // steps)), steps
+
+
+def _packed_layout(cu_seqlens, t, num_chunks):
+    """Token destinations in the chunk-aligned layout, and per chunk (first, last, sequence)."""
+    chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
+    chunk_end = jnp.cumsum(chunks)
+    chunk_start = chunk_end - chunks
+    tokens = jnp.arange(t)
+    seq = jnp.searchsorted(cu_seqlens[1:], tokens, side="right")  # side="right" skips empty sequences
+    dest = chunk_start[seq] * CHUNK + tokens - cu_seqlens[seq]
+    index = jnp.arange(num_chunks)
+    owner = jnp.searchsorted(chunk_end, index, side="right")  # == N on the trailing padding chunks
+    used = owner < chunks.shape[0]
+    owner = jnp.minimum(owner, chunks.shape[0] - 1)
+    first = used & (index == chunk_start[owner])
+    last = used & (index == chunk_end[owner] - 1)
+    return dest, (first, last, owner.astype(jnp.int32))
+
+
+def _chunked(q, k, v, g, beta, *, scale, initial_state, l2norm, segments, group):
+    """Inputs [B, T, H, *] with T a multiple of group * CHUNK. Without segments each batch row is
+    one sequence; with segments (B = 1) the state restarts from initial_state[seq] at a sequence's
+    first chunk and is recorded as its final state at its last chunk."""
+    b, t, h, _ = q.shape
+    span = group * CHUNK
+
+    def step(carry, i):
+        def load(x):  # [B, span, H, *] -> fp32 [group, B, H, C, *]: chunks leading, for the inner scan
+            x = jax.lax.dynamic_slice_in_dim(x, i * span, span, axis=1).astype(jnp.float32)
+            return jnp.moveaxis(x.reshape(b, group, CHUNK, h, *x.shape[3:]), (1, 3), (0, 2))
+
+        qc, kc, vc, gc, beta_c = map(load, (q, k, v, g, beta))
+        if l2norm:
+            qc, kc = l2_normalize(qc), l2_normalize(kc)
+        u, w, q_decayed, a_qk, k_decayed, decay = _intra(qc * scale, kc, vc, gc, beta_c)
+        xs = (u, w, k_decayed, decay)
+        if segments is not None:
+            xs += tuple(jax.lax.dynamic_slice_in_dim(x, i * group, group) for x in segments)
+        carry, (before, writes) = jax.lax.scan(
+            functools.partial(_pass_state, initial_state), carry, xs)
+        o = (_einsum("...ck,...kv->...cv", q_decayed, before)
+             + _einsum("...cs,...sv->...cv", a_qk, writes))  # [group, B, H, C, V]
+        return carry, jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, span, h, -1)
+
+    if segments is None:
+        init = (initial_state, None)
+    else:
+        init = (jnp.zeros_like(initial_state[:1]), initial_state)  # empty sequences keep their row
+    (state, finals), o = jax.lax.scan(step, init, jnp.arange(t // span))
+    o = jnp.moveaxis(o, 0, 1).reshape(b, t, h, -1)  # free when B == 1
+    return o, state if segments is None else finals
+
+
+def _pass_state(initial_state, carry, xs):
+    """One chunk of the state passing for all heads: returns the state before it and its writes v'."""
+    state, finals = carry
+    u, w, k_decayed, decay, *segment = xs
+    if segment:
+        first, last, seq = segment
+        state = jnp.where(first, initial_state[seq][None], state)
+    writes = u - _einsum("bhck,bhkv->bhcv", w, state)
+    new_state = decay[..., None] * state + _einsum("bhck,bhcv->bhkv", k_decayed, writes)
+    if segment:
+        finals = finals.at[seq].set(jnp.where(last, new_state[0], finals[seq]))
+    return (new_state, finals), (state, writes)
+
+
+def _intra(q, k, v, g, beta):
+    """Everything that needs no state, for chunks [..., C, *]: (u, w, q exp(G), Aqk, k exp(G_last - G), exp(G_last))."""
+    sums = _DecaySums.of(g)
+    # One decision for the whole step; K3's gate always takes the fast split.
+    kk, qk = jax.lax.cond(jnp.all(jnp.abs(sums.from_middle) <= SAFE_EXPONENT),
+                          _scores_fast, _scores_exact, q, k, sums)
+    i = jnp.arange(CHUNK)
+    a_kk = jnp.where(i[:, None] > i[None, :], kk, 0.0) * beta[..., :, None]
+    a_qk = jnp.where(i[:, None] >= i[None, :], qk, 0.0)
+    g_cum, to_last = _unblock(sums.cumulative), _unblock(sums.to_last)
+    beta = beta[..., None]
+    solved = _solve_unit_lower(a_kk, jnp.concatenate([beta * v, beta * k * jnp.exp(g_cum)], axis=-1))
+    u, w = jnp.split(solved, [v.shape[-1]], axis=-1)
+    return u, w, q * jnp.exp(g_cum), a_qk, k * jnp.exp(to_last), jnp.exp(g_cum[..., -1, :])
+
+
+_MIDDLE = BLOCK // 2
+
+
+def _in_block_sums():
+    """[4 * BLOCK, BLOCK] of 0 / +-1: rows (head, tail, from_middle, from_first) x token t, summing
+    g over the block's tokens s as _DecaySums names them; every row has one sign."""
+    t, s = np.arange(BLOCK)[:, None], np.arange(BLOCK)[None, :]
+    head = s <= t
+    tail = s > t
+    from_middle = np.where(t >= _MIDDLE, (_MIDDLE < s) & (s <= t), -1.0 * ((t < s) & (s <= _MIDDLE)))
+    from_first = (0 < s) & (s <= t)
+    return np.concatenate([head, tail, from_middle, from_first]).astype(np.float32)
+
+
+_IN_BLOCK = _in_block_sums()
+# [i, j, s]: the tokens s summed for G_i - G_j inside a block (j <= i).
+_PAIRS = np.array([[[j < s <= i for s in range(BLOCK)] for j in range(BLOCK)] for i in range(BLOCK)], np.float32)
+# [a, b, c]: block c lies strictly between blocks b and a.
+_BETWEEN = np.array([[[b < c < a for c in range(BLOCKS)] for b in range(BLOCKS)] for a in range(BLOCKS)],
+                    np.float32)
+_EARLIER = np.tril(np.ones((BLOCKS, BLOCKS), np.float32), -1)  # [a, c]: c < a
+
+
+class _DecaySums(NamedTuple):
+    """Interval sums of g over chunks split into BLOCKS blocks: arrays [..., BLOCKS, BLOCK, K], and
+    between [..., BLOCKS, BLOCKS, 1, K]. Each is added up from pieces of one sign."""
+    g: jax.Array  # the steps themselves
+    head: jax.Array  # G_t - G_(block start - 1)
+    tail: jax.Array  # G_(block end) - G_t
+    from_middle: jax.Array  # G_t - G_(block middle)
+    from_first: jax.Array  # G_t - G_(block start)
+    cumulative: jax.Array  # G_t: from the start of the chunk
+    to_last: jax.Array  # G_(chunk end) - G_t
+    between: jax.Array  # [a, b]: the sum over the blocks strictly between b and a
+
+    @classmethod
+    def of(cls, g):
+        g = g.reshape(*g.shape[:-2], BLOCKS, BLOCK, g.shape[-1])
+        head, tail, from_middle, from_first = jnp.split(_einsum("ts,...bsk->...btk", _IN_BLOCK, g), 4, axis=-2)
+        total = head[..., -1, :]  # [..., BLOCKS, K]
+        earlier = _einsum("ac,...ck->...ak", _EARLIER, total)[..., None, :]
+        later = _einsum("ca,...ck->...ak", _EARLIER, total)[..., None, :]
+        between = _einsum("abc,...ck->...abk", _BETWEEN, total)[..., None, :]
+        return cls(g, head, tail, from_middle, from_first, earlier + head, tail + later, between)
+
+
+def _unblock(x):
+    return x.reshape(*x.shape[:-3], CHUNK, x.shape[-1])
+
+
+# The kk and qk scores, sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c]) for x = k, q and j <= i, come from
+# splitting the decay at a reference token R per block of query rows:
+#     (x_i exp(G_i - R)) . (k_j exp(R - G_j)),  one matmul per block.
+# Keys before R and rows after it get factors <= 1; an underflow there is harmless, as the true term
+# is smaller still. Keys after R and rows before it get factors >= 1, which must not overflow.
+
+
+def _scores_fast(q, k, sums):
+    """R at each block's middle token, for all keys up to the block's end: needs |G_t - R| <= SAFE_EXPONENT."""
+    return _split_decay_scores(q, k, sums, sums.from_middle, sums.head[..., _MIDDLE:_MIDDLE + 1, :], own_block=True)
+
+
+def _scores_exact(q, k, sums):
+    """For any g <= 0: R at each block's first token, so every factor is <= 1, for the keys of
+    earlier blocks; within a block, exp(G_i - G_j) itself for every pair and channel."""
+    kk, qk = _split_decay_scores(q, k, sums, sums.from_first, sums.head[..., :1, :], own_block=False)
+    lead, dk = q.shape[:-2], q.shape[-1]
+    rows = jnp.stack([k, q], axis=-3).reshape(*lead, 2, BLOCKS, BLOCK, dk)
+    pair_sums = _einsum("ijs,...asc->...aijc", _PAIRS, sums.g)  # [..., a, i, j, K]
+    causal = np.tri(BLOCK, dtype=bool)[:, :, None]  # [i, j, 1]: j <= i
+    decayed_keys = jnp.exp(jnp.where(causal, pair_sums, -jnp.inf)) * k.reshape(*lead, BLOCKS, 1, BLOCK, dk)
+    inside = _einsum("...xaic,...aijc->...xaij", rows, decayed_keys)  # [..., 2, a, i, j]
+    inside = inside[..., :, :, None, :] * np.eye(BLOCKS, dtype=np.float32)[:, None, :, None]  # block diagonal
+    inside = inside.reshape(*lead, 2, CHUNK, CHUNK)
+    return kk + inside[..., 0, :, :], qk + inside[..., 1, :, :]
+
+
+def _split_decay_scores(q, k, sums, from_ref, head_to_ref, own_block):
+    """(kk, qk) [..., C, C] with R at the token where from_ref = G_t - R is 0; head_to_ref [..., BLOCKS, 1, K]
+    is R - G_(block start - 1). Keys of the block itself only if own_block. Entries with j > i come
+    out finite; the caller masks them."""
+    lead, dk = q.shape[:-2], q.shape[-1]
+    rows = jnp.stack([k, q], axis=-3) * _unblock(jnp.exp(from_ref))[..., None, :, :]
+    # R_a - G_j for key j in block b < a: the rest of block b, the blocks between, block a up to R.
+    earlier = sums.tail[..., None, :, :, :] + sums.between + head_to_ref[..., :, None, :, :]  # [..., a, b, j, K]
+    a, b = np.arange(BLOCKS)[:, None, None, None], np.arange(BLOCKS)[None, :, None, None]
+    exponent = jnp.where(b < a, earlier, -jnp.inf)
+    if own_block:
+        exponent = jnp.where(b == a, -from_ref[..., :, None, :, :], exponent)
+    keys = k.reshape(*lead, 1, CHUNK, dk) * jnp.exp(exponent.reshape(*lead, BLOCKS, CHUNK, dk))
+    scores = _einsum("...xaik,...ajk->...xaij", rows.reshape(*lead, 2, BLOCKS, BLOCK, dk), keys)
+    scores = scores.reshape(*lead, 2, CHUNK, CHUNK)
+    return scores[..., 0, :, :], scores[..., 1, :, :]
+
+
+def _solve_unit_lower(a, rhs):
+    """x with (I + a) x = rhs, a strictly lower [..., C, C]. The diagonal BLOCK blocks are inverted
+    by forward substitution over their rows, then block forward substitution gives x (measured
+    faster on CPU than lax.linalg.triangular_solve, which also kept LAPACK threads spinning)."""
+    diagonal = jnp.stack([a[..., j * BLOCK:(j + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] for j in range(BLOCKS)],
+                         axis=-3)
+
+    def invert_row(r, inverse):  # row r of (I + d)^-1 is e_r - d[r] (I + d)^-1, its rows < r already done
+        row = jax.nn.one_hot(r, BLOCK, dtype=a.dtype) - _einsum("...j,...jk->...k", diagonal[..., r, :], inverse)
+        return inverse.at[..., r, :].set(row)
+
+    inverse = jax.lax.fori_loop(0, BLOCK, invert_row, jnp.zeros_like(diagonal))
+    parts = []
+    for j in range(BLOCKS):
+        block = rhs[..., j * BLOCK:(j + 1) * BLOCK, :]
+        if j:
+            earlier = jnp.concatenate(parts, axis=-2)
+            block = block - _einsum("...ij,...jk->...ik", a[..., j * BLOCK:(j + 1) * BLOCK, :j * BLOCK], earlier)
+        parts.append(_einsum("...ij,...jk->...ik", inverse[..., j, :, :], block))
+    return jnp.concatenate(parts, axis=-2)
