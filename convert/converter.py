@@ -111,7 +111,7 @@ class _Progress:
         elapsed = time.perf_counter() - self.start
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - done) / rate if rate > 0 else float("inf")
-        print(f"\rconverting {done / 1e9:8.2f} / {self.total / 1e9:.2f} GB  {rate / 1e6:7.1f} MB/s  "
+        print(f"\rconverting {done / 1e6:10.1f} / {self.total / 1e6:.1f} MB  {rate / 1e6:7.1f} MB/s  "
               f"ETA {eta:6.0f} s", end="", file=self.out, flush=True)
 
     def done(self) -> None:
