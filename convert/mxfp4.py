@@ -76,3 +76,10 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = (codes | (np.signbit(scaled) << 3).astype(np.uint8)).reshape(w.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.astype(np.uint8), (exponent + 127).astype(np.uint8)
+
+
+def random_scale_byte(fan_in: int) -> int:
+    """The E8M0 byte that gives uniformly random E2M1 codes (RMS ~2.93) a fan-in scaled std, for
+    synthetic and randomly initialised MXFP4 weights."""
+    rms = float(np.sqrt(np.mean(_E2M1 ** 2)))
+    return 127 + int(round(np.log2(fan_in ** -0.5 / rms)))

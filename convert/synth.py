@@ -15,11 +15,10 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from convert import layout
+from convert import layout, mxfp4
 from k3jax.config import K3Config
 
 _NUMPY_DTYPES = {layout.BF16: ml_dtypes.bfloat16, layout.F32: np.float32, layout.U8: np.uint8}
-_E2M1_RMS = 2.93  # RMS of E2M1 values over uniformly random codes
 MAX_SYNTHETIC_BYTES = 8 * 10**9
 
 
@@ -28,9 +27,7 @@ def synthetic_tensor(name: str, rule: layout.Rule, rng: np.random.Generator) -> 
     if rule.dtype == layout.U8:  # MXFP4: random codes, one power-of-two scale per 32 inputs
         if name.endswith("weight_packed"):
             return rng.integers(0, 256, size=shape, dtype=np.uint8)
-        fan_in = shape[-1] * 32
-        exponent = 127 + int(round(np.log2(fan_in ** -0.5 / _E2M1_RMS)))
-        return np.full(shape, exponent, np.uint8)
+        return np.full(shape, mxfp4.random_scale_byte(shape[-1] * 32), np.uint8)
     if name.endswith("A_log"):
         value = np.log(rng.uniform(1.0, 16.0, size=shape))
     elif name.endswith("dt_bias"):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from convert.mxfp4 import random_scale_byte
 from k3jax.config import K3Config
 from k3jax.layers.common import Linear, RMSNorm, param
 from pallas_kernels import moe as moe_ops
@@ -14,8 +15,6 @@ from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import Mxfp4Tensor
 from sharding.expert_parallel import context_mesh, expert_parallel_moe
 
-# E2M1 codes spread over all 16 values have RMS sqrt(mean(v^2)) ~= 2.93; used to pick random scales.
-_E2M1_RMS = 2.93
 
 
 def gated_activation(cfg: K3Config) -> GatedActivation:
@@ -75,8 +74,7 @@ def _expert_weight(cfg, shape, axes, dtype, rngs):
         scales = jnp.full((e, out, inp // 32), 127, jnp.uint8)
     else:  # random codes with a power-of-two scale giving roughly fan-in-scaled weights
         codes = jax.random.randint(rngs.params(), (e, out, inp // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        exponent = 127 + round(float(jnp.log2(inp ** -0.5 / _E2M1_RMS)))
-        scales = jnp.full((e, out, inp // 32), exponent, jnp.uint8)
+        scales = jnp.full((e, out, inp // 32), random_scale_byte(inp), jnp.uint8)
     return Mxfp4Tensor(nnx.Param(codes, logical_axes=axes), nnx.Param(scales, logical_axes=axes))
 
 

@@ -54,7 +54,7 @@ class MultiHeadLatentAttention(nnx.Module):
         """
         cfg = self.cfg
         b, t, _ = x.shape
-        heads, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
         q = q.reshape(b, t, heads, cfg.qk_head_dim)
         kv = self.kv_a_proj_with_mqa(x)

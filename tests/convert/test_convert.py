@@ -93,7 +93,7 @@ def test_cli_reports_errors_without_a_traceback(k3_src, tmp_path, capsys):
     assert "converted in" in capsys.readouterr().err
 
 
-def test_index_naming_a_missing_file_and_wrong_dtype(k3_src, tmp_path):
+def test_index_naming_a_missing_file(k3_src, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     for f in k3_src.iterdir():
