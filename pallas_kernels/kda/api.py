@@ -11,68 +11,102 @@
   zeros. cu_seqlens may be traced: every shape follows from T and N.
 - Everything is computed in fp32 whatever the input dtypes. o comes back in v's dtype (fla uses
   q's; the two agree in practice, and o is a mix of v rows); final_state is fp32.
-- impl: "auto" (the XLA path on every backend for now), "xla" or "reference". The Pallas kernel
-  is a later issue; "pallas" raises ValueError until it exists.
+- output_state_every=E (a static int >= 1) also returns the recurrent states after every E tokens
+  of each sequence, as a third result: for prefix caching (E = the page size, states at page
+  boundaries) and for speculative decoding (E = 1 over the verified window, the state after each
+  position). Without cu_seqlens it is fp32 [B, T // E, H, K, V], row i the state after token
+  E * (i + 1). With cu_seqlens it is fp32 [T // E, H, K, V], the rows of sequence n first after
+  those of the sequences before it: sequence n's state after its token E * (i + 1) is row
+  sum_{m < n} (L_m // E) + i, L_m the sequence lengths; rows past the last one are unspecified.
+  A position is counted from the sequence's first token (not the initial state), so a resumed
+  prefill whose cached prefix is a whole number of pages keeps snapshots on page boundaries.
+- impl: "auto" (Pallas on GPU, the XLA path elsewhere), "xla", "reference" or "pallas" (the
+  Pallas-Triton kernels, pallas_triton.py; off a GPU they run in interpret mode, which is slow and
+  only for tests). Pallas needs K and V powers of 2 of at least 16.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import reference, xla
+from pallas_kernels.kda import pallas_triton, reference, xla
 
-# Jitted here so that eager callers (tests, notebooks) compile each shape once; under an outer jit
-# these are inlined. Only the l2norm switch is static: scale stays a traced scalar.
-_recurrent = jax.jit(reference.recurrent_kda, static_argnames="l2norm")
-_chunked = jax.jit(xla.chunk_kda, static_argnames="l2norm")
+
+def _jit(fn, *switches):
+    """Jitted here so that eager callers (tests, notebooks) compile each shape once; under an outer
+    jit it is inlined. Only switches are static: scale stays a traced scalar."""
+    return jax.jit(fn, static_argnames=("l2norm", "every", *switches))
+
+
+_RECURRENT = _jit(reference.recurrent_kda)
+# impl -> (chunked form, token-by-token form). The XLA token form is the reference scan: one fused
+# step per token is already the fastest XLA form for a handful of tokens.
+_IMPLS = {
+    "reference": (_RECURRENT, _RECURRENT),
+    "xla": (_jit(xla.chunk_kda), _RECURRENT),
+    "pallas": (_jit(pallas_triton.chunk_kda, "interpret"), _jit(pallas_triton.fused_recurrent_kda, "interpret")),
+}
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm_in_kernel=False, impl="auto"):
-    """Chunked parallel form, for prefill. Returns (o [B, T, H, V], final_state [N, H, K, V] or None)."""
-    fn = {"xla": _chunked, "reference": _recurrent}[_resolve(impl)]
-    return _call(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
+              use_qk_l2norm_in_kernel=False, output_state_every=None, impl="auto"):
+    """Chunked parallel form, for prefill. Returns (o [B, T, H, V], final_state [N, H, K, V] or None),
+    and the snapshots as a third result when output_state_every is set."""
+    impl = _resolve(impl)
+    return _call(_IMPLS[impl][0], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                 use_qk_l2norm_in_kernel, output_state_every)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, impl="auto"):
-    """Token-by-token form, for decode (T small). Same contract as chunk_kda.
-
-    Its XLA path is the reference scan: one fused step per token is already the fastest XLA form
-    for a handful of tokens.
-    """
-    fn = {"xla": _recurrent, "reference": _recurrent}[_resolve(impl)]
-    return _call(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
+                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, output_state_every=None, impl="auto"):
+    """Token-by-token form, for decode (T small). Same contract as chunk_kda."""
+    impl = _resolve(impl)
+    return _call(_IMPLS[impl][1], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                 use_qk_l2norm_in_kernel, output_state_every)
 
 
 def _resolve(impl):
     if impl == "auto":
-        return "xla"
-    if impl == "pallas":
-        raise ValueError("impl='pallas': the Pallas KDA kernel is not available yet; use impl='auto' or 'xla'")
-    if impl not in ("xla", "reference"):
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl not in _IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'xla', 'reference' or 'pallas'")
     return impl
 
 
-def _call(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm):
+def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm, every):
     q, k, v, g, beta = map(jnp.asarray, (q, k, v, g, beta))
     cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
-    num_states = _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    h, dk, dv = q.shape[2], q.shape[3], v.shape[3]
+    num_states = _check(q, k, v, g, beta, initial_state, cu_seqlens, every, impl)
+    b, t, h, dk = q.shape
+    dv = v.shape[3]
     if initial_state is None:
         initial_state = jnp.zeros((num_states, h, dk, dv), jnp.float32)
+    # The Pallas kernels and the snapshots work on packed sequences: rows of a batch are sequences
+    # of T tokens one after another (a free reshape).
+    repack = cu_seqlens is None and (impl == "pallas" or every is not None)
+    if repack:
+        q, k, v, g, beta = (x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta))
+        cu_seqlens = jnp.arange(b + 1, dtype=jnp.int32) * t
+    if impl == "pallas":  # decided per call: asking for the backend at import would initialise it
+        fn = functools.partial(fn, interpret=jax.default_backend() != "gpu")
     # The implementations cast to fp32, normalise and scale as they load the inputs, so no fp32
     # copy of the whole sequence is made here.
-    o, final_state = fn(q, k, v, g, beta, scale=dk ** -0.5 if scale is None else scale,
-                        initial_state=jnp.asarray(initial_state, jnp.float32), cu_seqlens=cu_seqlens,
-                        l2norm=l2norm)
-    return o.astype(v.dtype), final_state if output_final_state else None
+    o, final_state, states = fn(q, k, v, g, beta, scale=dk ** -0.5 if scale is None else scale,
+                                initial_state=jnp.asarray(initial_state, jnp.float32), cu_seqlens=cu_seqlens,
+                                l2norm=l2norm, every=every)
+    if repack:
+        o = o.reshape(b, t, h, dv)
+        if every is not None:
+            states = states[:b * (t // every)].reshape(b, t // every, h, dk, dv)
+    result = (o.astype(v.dtype), final_state if output_final_state else None)
+    return result if every is None else (*result, states)
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens):
-    """Validates the shapes; returns N, the number of sequences (rows of the states)."""
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, every, impl):
+    """Validates the arguments; returns N, the number of sequences (rows of the states)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
     b, t, h, dk = q.shape
@@ -90,6 +124,13 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens):
         if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
             raise ValueError(f"cu_seqlens must hold integer offsets, got dtype {cu_seqlens.dtype}")
         num_states = cu_seqlens.shape[0] - 1
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise ValueError(f"output_state_every must be a positive int (a static token count), got {every!r}")
+    if impl == "pallas":
+        for name, size in (("K", dk), ("V", v.shape[3])):
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"impl='pallas' needs {name} a power of 2 >= 16 (Triton tiles), got q {q.shape}, "
+                                 f"v {v.shape}")
     expected = (num_states, h, dk, v.shape[3])
     if initial_state is not None and initial_state.shape != expected:
         raise ValueError(f"initial_state has shape {initial_state.shape}, expected [N, H, K, V] = {expected}")

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kda import layout
 from pallas_kernels.kda.reference import l2_normalize
 
 CHUNK = 64
@@ -45,9 +46,10 @@ SAFE_EXPONENT = 40.0
 _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
-def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm):
+def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, every=None):
     """q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], any float dtype; initial_state fp32.
-    Returns (o fp32 [B, T, H, V], final state fp32 [N, H, K, V])."""
+    Returns (o fp32 [B, T, H, V], final state fp32 [N, H, K, V], snapshots fp32 [T // every, H, K, V]
+    or None). Snapshots (`every`) need cu_seqlens: api.py packs a batch for them."""
     b, t, h, _ = q.shape
     run = functools.partial(_chunked, scale=scale, initial_state=initial_state, l2norm=l2norm)
     if cu_seqlens is None:
@@ -57,20 +59,23 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm):
         def pad(x):  # zero q, k, v, beta and g leave the state as it is
             return x if padded == t else jnp.pad(x, [(0, 0), (0, padded - t)] + [(0, 0)] * (x.ndim - 2))
 
-        o, final = run(*map(pad, (q, k, v, g, beta)), segments=None, group=group)
-        return o[:, :t], final
+        o, final, _ = run(*map(pad, (q, k, v, g, beta)), segments=None, group=group, num_snapshots=0)
+        return o[:, :t], final, None
 
-    # Packed sequences: each one starts on a chunk boundary of a padded layout, so no chunk holds
-    # two sequences. The chunk count has a static bound: L tokens take at most (L + CHUNK - 1) // CHUNK.
+    # Packed sequences: each one (and each piece between snapshots) starts on a chunk boundary of a
+    # padded layout, so no chunk holds two sequences and every snapshot ends a chunk.
     num_seqs = initial_state.shape[0]
-    group, steps = _grouping((t + num_seqs * (CHUNK - 1)) // CHUNK, h)
-    dest, segments = _packed_layout(cu_seqlens.astype(jnp.int32), t, steps * group)
+    group, steps = _grouping(layout.num_chunks_bound(t, num_seqs, CHUNK, every), h)
+    chunks = layout.chunk_layout(cu_seqlens, t, CHUNK, every, steps * group)
+    dest = layout.padded_positions(cu_seqlens, t, CHUNK, every, chunks)
 
     def scatter(x):
         return jnp.zeros((1, steps * group * CHUNK, *x.shape[2:]), x.dtype).at[:, dest].set(x)
 
-    o, finals = run(*map(scatter, (q, k, v, g, beta)), segments=segments, group=group)
-    return o[:, dest], finals
+    segments = (chunks.first, chunks.last, chunks.seq, chunks.snapshot)
+    o, finals, snapshots = run(*map(scatter, (q, k, v, g, beta)), segments=segments, group=group,
+                               num_snapshots=t // every if every else 0)
+    return o[:, dest], finals, snapshots if every else None
 
 
 def _grouping(num_chunks, rows):
@@ -80,27 +85,11 @@ def _grouping(num_chunks, rows):
     return max(1, -(-num_chunks // steps)), steps
 
 
-def _packed_layout(cu_seqlens, t, num_chunks):
-    """Token destinations in the chunk-aligned layout, and per chunk (first, last, sequence)."""
-    chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
-    chunk_end = jnp.cumsum(chunks)
-    chunk_start = chunk_end - chunks
-    tokens = jnp.arange(t)
-    seq = jnp.searchsorted(cu_seqlens[1:], tokens, side="right")  # side="right" skips empty sequences
-    dest = chunk_start[seq] * CHUNK + tokens - cu_seqlens[seq]
-    index = jnp.arange(num_chunks)
-    owner = jnp.searchsorted(chunk_end, index, side="right")  # == N on the trailing padding chunks
-    used = owner < chunks.shape[0]
-    owner = jnp.minimum(owner, chunks.shape[0] - 1)
-    first = used & (index == chunk_start[owner])
-    last = used & (index == chunk_end[owner] - 1)
-    return dest, (first, last, owner.astype(jnp.int32))
-
-
-def _chunked(q, k, v, g, beta, *, scale, initial_state, l2norm, segments, group):
+def _chunked(q, k, v, g, beta, *, scale, initial_state, l2norm, segments, group, num_snapshots):
     """Inputs [B, T, H, *] with T a multiple of group * CHUNK. Without segments each batch row is
     one sequence; with segments (B = 1) the state restarts from initial_state[seq] at a sequence's
-    first chunk and is recorded as its final state at its last chunk."""
+    first chunk, is recorded as its final state at its last chunk, and as snapshot row `snapshot`
+    after a chunk that has one. Returns (o, final states, snapshots [num_snapshots, H, K, V])."""
     b, t, h, _ = q.shape
     span = group * CHUNK
 
@@ -122,27 +111,31 @@ def _chunked(q, k, v, g, beta, *, scale, initial_state, l2norm, segments, group)
              + _einsum("...cs,...sv->...cv", a_qk, writes))  # [group, B, H, C, V]
         return carry, jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, span, h, -1)
 
+    snapshots = jnp.zeros((num_snapshots, *initial_state.shape[1:]), jnp.float32)
     if segments is None:
-        init = (initial_state, None)
+        init = (initial_state, None, snapshots)
     else:
-        init = (jnp.zeros_like(initial_state[:1]), initial_state)  # empty sequences keep their row
-    (state, finals), o = jax.lax.scan(step, init, jnp.arange(t // span))
+        init = (jnp.zeros_like(initial_state[:1]), initial_state, snapshots)  # empty sequences keep their row
+    (state, finals, snapshots), o = jax.lax.scan(step, init, jnp.arange(t // span))
     o = jnp.moveaxis(o, 0, 1).reshape(b, t, h, -1)  # free when B == 1
-    return o, state if segments is None else finals
+    return o, state if segments is None else finals, snapshots
 
 
 def _pass_state(initial_state, carry, xs):
     """One chunk of the state passing for all heads: returns the state before it and its writes v'."""
-    state, finals = carry
+    state, finals, snapshots = carry
     u, w, k_decayed, decay, *segment = xs
     if segment:
-        first, last, seq = segment
+        first, last, seq, snapshot = segment
         state = jnp.where(first, initial_state[seq][None], state)
     writes = u - _einsum("bhck,bhkv->bhcv", w, state)
     new_state = decay[..., None] * state + _einsum("bhck,bhcv->bhkv", k_decayed, writes)
     if segment:
         finals = finals.at[seq].set(jnp.where(last, new_state[0], finals[seq]))
-    return (new_state, finals), (state, writes)
+        if snapshots.shape[0]:
+            row = jnp.maximum(snapshot, 0)
+            snapshots = snapshots.at[row].set(jnp.where(snapshot >= 0, new_state[0], snapshots[row]))
+    return (new_state, finals, snapshots), (state, writes)
 
 
 def _intra(q, k, v, g, beta):
