@@ -5,17 +5,21 @@ or a plain array (Kimi Linear): w_gate and w_up [E, F, D], w_down [E, D, F]. Mat
 fp32 on weights decoded to the activation dtype; the activation runs in fp32 and is cast to the
 activation dtype before the down projection (spec 2.6).
 
-impl: "auto" (the XLA path everywhere until the Pallas kernel lands), "xla", "reference".
+impl: "auto" (Pallas on GPU, XLA elsewhere), "pallas" (the Pallas-Triton kernels; interpreted off
+a GPU), "xla", "reference".
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.moe import reference, xla
+from pallas_kernels.moe import pallas_triton, reference, xla
 
-_IMPLS = {"auto": xla, "xla": xla, "reference": reference}
+_IMPLS = ("auto", "pallas", "xla", "reference")
 
 
 def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto"):
@@ -31,7 +35,7 @@ def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: Gated
                          "one size per expert")
     if x_sorted.shape[0] == 0:  # static; the implementations assume at least one row
         return jnp.zeros_like(x_sorted)
-    return _module(impl).expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, activation=activation)
+    return _implementation(impl, "expert_ffn")(x_sorted, group_sizes, w_gate, w_up, w_down, activation=activation)
 
 
 def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto"):
@@ -47,16 +51,18 @@ def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: Gate
         raise ValueError(f"topk_ids must be integer expert ids, got {topk_ids.dtype}")
     if x.shape[0] == 0 or topk_ids.shape[1] == 0:  # static; the implementations assume some rows
         return jnp.zeros(x.shape, jnp.float32)
-    return _module(impl).moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation=activation)
+    return _implementation(impl, "moe_ffn")(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation=activation)
 
 
-def _module(impl: str):
-    if impl == "pallas":
-        raise ValueError("impl='pallas': the Pallas MXFP4 grouped-matmul kernel is not available yet; "
-                         "use 'auto', 'xla' or 'reference'")
+def _implementation(impl: str, op: str):
     if impl not in _IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'xla', 'reference' (or later 'pallas')")
-    return _IMPLS[impl]
+        raise ValueError(f"unknown impl {impl!r}; expected one of {_IMPLS}")
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "auto":
+        impl = "pallas" if on_gpu else "xla"
+    if impl == "pallas":
+        return functools.partial(getattr(pallas_triton, op), interpret=not on_gpu)
+    return getattr({"xla": xla, "reference": reference}[impl], op)
 
 
 def _check_weights(x, w_gate, w_up, w_down):

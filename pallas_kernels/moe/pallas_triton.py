@@ -1,0 +1,184 @@
+"""MoE expert FFN as two Pallas-Triton grouped matmuls with MXFP4 decoded in the kernel.
+
+Rows arrive sorted by expert with ragged group sizes. XLA turns the group sizes into a row-tile
+plan (tile -> group, first row, end row), read by the kernels as small int32 arrays (Triton Pallas
+has no scalar prefetch). The grid is static, sized for the worst case; tiles past the real ones
+exit at once, so empty groups cost nothing. Group E of the plan is the padding rows past
+sum(group_sizes): the down kernel writes them as zeros, so no extra pass clears the output.
+
+- gate/up kernel: h = act(x W_gate^T, x W_up^T) in the activation dtype, both accumulators fed by
+  one load of the x tile, the activation in fp32 in the epilogue.
+- down kernel: y = h W_down^T.
+
+A weight tile is either MXFP4 (packed codes + E8M0 scales, decoded to the activation dtype right
+before the dot) or a plain array (Kimi Linear), cast the same way. Dots accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.moe.mxfp4 import GROUP, Mxfp4Tensor
+
+_CONTRACT_LAST = (((1,), (1,)), ((), ()))  # [rows, k] . [n, k] -> [rows, n]
+
+
+def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, interpret: bool = False):
+    """See `pallas_kernels.moe.api.expert_ffn`. Needs D and F to be multiples of 32."""
+    m, d = x_sorted.shape
+    num_experts, f, _ = w_gate.shape
+    for name, size in (("D (expert input width)", d), ("F (expert intermediate width)", f)):
+        if size % GROUP:
+            raise ValueError(f"the Pallas MoE kernels need {name} to be a multiple of {GROUP}, got {size} "
+                             f"(w_gate {tuple(w_gate.shape)})")
+    rows = _row_tile(m, num_experts)
+    plan = _tile_plan(group_sizes.astype(jnp.int32), m, rows)
+    hidden = _grouped_matmul(x_sorted, plan, (w_gate, w_up), rows=rows, activation=activation, interpret=interpret)
+    return _grouped_matmul(hidden, plan, (w_down,), rows=rows, activation=None, interpret=interpret)
+
+
+def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interpret: bool = False):
+    """See `pallas_kernels.moe.api.moe_ffn`: sorts the (token, slot) pairs by expert, runs
+    `expert_ffn` and sums each token's weighted expert outputs in fp32."""
+    t, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(ids, stable=True)
+    group_sizes = jnp.bincount(ids, length=w_gate.shape[0])
+    y_sorted = expert_ffn(x[order // k], group_sizes, w_gate, w_up, w_down, activation=activation,
+                          interpret=interpret)
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+    return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y.astype(jnp.float32), axis=1)
+
+
+def _row_tile(m: int, num_experts: int) -> int:
+    """Rows per tile: the power of two at or above the mean group size, 16..128. Decode (a few
+    rows per expert) gets 16, the smallest tile a tensor-core dot takes; every non-empty group
+    wastes less than one tile."""
+    mean = -(-m // num_experts)
+    return max(16, min(128, pl.next_power_of_2(mean)))
+
+
+def _tile_plan(group_sizes, m: int, rows: int):
+    """int32 arrays (group, first row, end row) per row tile, for a static count of tiles.
+
+    Group g < E gets ceil(size_g / rows) tiles over its rows; group E is the padding rows
+    [sum(group_sizes), m). At most ceil(m / rows) + min(E, m) + 1 tiles are real (each non-empty
+    group and the padding waste less than one tile); the rest are empty (end == first) and exit.
+    """
+    num_experts = group_sizes.shape[0]
+    ends = jnp.append(jnp.minimum(jnp.cumsum(group_sizes), m), m)  # group E: the padding rows
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    tiles = (ends - starts + rows - 1) // rows
+    tile_ends = jnp.cumsum(tiles)
+    tile = jnp.arange(pl.cdiv(m, rows) + min(num_experts, m) + 1, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, tile, side="right"), num_experts).astype(jnp.int32)
+    first = starts[group] + (tile - (tile_ends - tiles)[group]) * rows
+    real = tile < tile_ends[-1]
+    first = jnp.where(real, first, 0)
+    end = jnp.where(real, jnp.minimum(first + rows, ends[group]), 0)
+    return group, first, end
+
+
+def _block_sizes(rows: int, n: int, k: int, fused: bool) -> tuple[int, int]:
+    """(output columns, reduction step) per program: powers of two dividing n and k (k in whole
+    MXFP4 groups). Decode tiles are weight-bound: narrow columns for many programs and a long
+    reduction step for long loads. Prefill tiles keep the fp32 accumulators (two when fused)
+    in registers."""
+    block_n = 64 if rows <= 32 or fused else 128
+    block_k = 128 if rows <= 32 else 64
+    return _largest_pow2_divisor(n, block_n), _largest_pow2_divisor(k, block_k)
+
+
+def _largest_pow2_divisor(size: int, cap: int) -> int:
+    return min(cap, size & -size)
+
+
+def _grouped_matmul(x, plan, weights, *, rows, activation, interpret):
+    """act(x W_0^T, x W_1^T) for two weights (gate, up), x W_0^T for one (down); [m, n] in x's dtype."""
+    m, k = x.shape
+    num_experts, n, _ = weights[0].shape
+    fused = len(weights) == 2
+    block_n, block_k = _block_sizes(rows, n, k, fused)
+    quantized = isinstance(weights[0], Mxfp4Tensor)
+    leaves = [leaf for w in weights for leaf in (w if quantized else (w,))]
+    kernel = functools.partial(_kernel, num_experts=num_experts, rows=rows, block_n=block_n, block_k=block_k,
+                               refs_per_weight=2 if quantized else 1, activation=activation)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(plan[0].shape[0], n // block_n),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4 if rows <= 32 else 8, num_stages=3),
+        name="moe_gate_up" if fused else "moe_down",
+    )(*plan, x, *leaves)
+
+
+def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, rows, block_n, block_k, refs_per_weight,
+            activation):
+    """One (row tile, column block): all grid axes are independent."""
+    *weight_refs, out_ref = refs
+    weights = [weight_refs[i:i + refs_per_weight] for i in range(0, len(weight_refs), refs_per_weight)]
+    tile = pl.program_id(0)
+    group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
+    cols = pl.ds(pl.program_id(1) * block_n, block_n)
+    in_tile = ((first + jnp.arange(rows)) < end)[:, None]
+    row_mask, out_mask = (jnp.broadcast_to(in_tile, (rows, width)) for width in (block_k, block_n))
+    out_at = out_ref.at[pl.ds(first, rows), cols]
+
+    @pl.when((end > first) & (group < num_experts))
+    def _matmul():
+        def step(i, accs):
+            x = plgpu.load(x_ref.at[pl.ds(first, rows), pl.ds(i * block_k, block_k)], mask=row_mask, other=0)
+            return tuple(acc + jax.lax.dot_general(x, _weight_tile(w, group, cols, i, block_k, x.dtype),
+                                                   _CONTRACT_LAST, preferred_element_type=jnp.float32)
+                         for acc, w in zip(accs, weights))
+
+        zeros = jnp.zeros((rows, block_n), jnp.float32)
+        accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * len(weights))
+        out = activation(*accs) if activation is not None else accs[0]
+        plgpu.store(out_at, out.astype(out_ref.dtype), mask=out_mask)
+
+    if activation is None:  # the down kernel writes the padding rows (group E) as zeros
+        @pl.when((end > first) & (group == num_experts))
+        def _padding():
+            plgpu.store(out_at, jnp.zeros((rows, block_n), out_ref.dtype), mask=out_mask)
+
+
+def _weight_tile(refs, expert, cols, step, block_k, dtype):
+    """The [block_n, block_k] tile of one expert's [out, in] weight, in `dtype`."""
+    if len(refs) == 1:  # plain weights
+        return refs[0][expert, cols, pl.ds(step * block_k, block_k)].astype(dtype)
+    packed_ref, scales_ref = refs
+    packed = packed_ref[expert, cols, pl.ds(step * (block_k // 2), block_k // 2)]
+    scales = scales_ref[expert, cols, pl.ds(step * (block_k // GROUP), block_k // GROUP)]
+    return _decode_mxfp4(packed, scales, dtype)
+
+
+def _decode_mxfp4(packed, scales, dtype):
+    """[n, k] weights in `dtype` (bf16 or f32) from packed uint8 [n, k/2] and scale bytes [n, k/32].
+
+    Integer ops build each E2M1 value's bit pattern in `dtype`, and each scale byte is the exponent
+    field of 2**(byte - 127) (E8M0 and f32/bf16 share the bias 127); one multiply applies it.
+    Every value is exact (a 2-bit significand times a power of two). Scale byte 0 gives 0 rather
+    than the subnormal 2**-127 and byte 255 (not used, spec 3.3) gives +-inf rather than NaN.
+    """
+    n, half = packed.shape
+    nmant = jnp.finfo(dtype).nmant
+    width = 8 * jnp.dtype(dtype).itemsize
+    bits_dtype = jnp.uint16 if width == 16 else jnp.uint32
+    byte = packed.astype(jnp.uint32)
+    codes = jnp.stack([byte & 0xF, byte >> 4], axis=-1).reshape(n, 2 * half)  # low nibble: even input
+    mag = codes & 7  # 2 exponent bits e, 1 mantissa bit m
+    # mag >= 2 is 2**(e-1) * (1 + m/2): exponent field e + 126, m the top mantissa bit. mag 1 is 0.5.
+    bits = jnp.where(mag >= 2, (mag << (nmant - 1)) + (126 << nmant), jnp.where(mag == 1, 126 << nmant, 0))
+    bits = bits | ((codes & 8) << (width - 4))  # sign
+    values = jax.lax.bitcast_convert_type(bits.astype(bits_dtype), dtype)
+    scale = jax.lax.bitcast_convert_type((scales.astype(jnp.uint32) << nmant).astype(bits_dtype), dtype)
+    groups = scales.shape[1]
+    scale = jnp.broadcast_to(scale[:, :, None], (n, groups, GROUP)).reshape(n, groups * GROUP)
+    return values * scale
