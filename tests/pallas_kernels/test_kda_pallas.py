@@ -1,0 +1,197 @@
+"""KDA Pallas-Triton kernels (interpret mode) against a float64 NumPy loop, the state snapshots of
+every implementation, and lowering of the kernels to Triton for an H200 and an MI300 at K3's shapes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import api, chunk_kda, fused_recurrent_kda, pallas_triton
+from tests.pallas_kernels.gpu_lowering import lower_for_gpu, triton_call_count
+from tests.pallas_kernels.test_kda import assert_close, numpy_kda
+
+H, K, V = 2, 32, 64  # K != V so a transposed state cannot pass; V = 2 state tiles of 32 columns
+LENGTHS = [1, 64, 0, 70, 3, 130]  # packed: length 1, a whole chunk, an empty one, ragged ends
+T = 130  # batch rows: two chunks and a ragged third
+
+# Interpret mode computes in fp32 (exact fp32 products on CPU): about 1e-7 per operation, summed over
+# <= 130 steps and 32-term products, stays near 1e-6 of the largest value; 1e-5 leaves a margin.
+FP32_REL = 1e-5
+
+PALLAS = [(chunk_kda, "pallas"), (fused_recurrent_kda, "pallas")]
+PALLAS_IDS = ["chunk", "recurrent"]
+
+
+def make_inputs(lengths_or_shape, seed, gate=1.0, unit_qk=True):
+    """q, k (unit rows unless unit_qk=False), v, g = -gate * U(0, 1), beta in (0, 1): float64 [B, T, H, *]."""
+    b, t = lengths_or_shape
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, b, t, H, K))
+    if unit_qk:
+        q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    return q, k, rng.standard_normal((b, t, H, V)), -gate * rng.uniform(0, 1, (b, t, H, K)), rng.uniform(0, 1, (b, t, H))
+
+
+def packed(lengths, seed):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    states = np.random.default_rng(seed + 100).standard_normal((len(lengths), H, K, V))
+    return cu, states, make_inputs((1, int(cu[-1])), seed)
+
+
+def f32(*xs):
+    return [jnp.asarray(x, jnp.float32) for x in xs]
+
+
+@pytest.mark.parametrize(("fn", "impl"), PALLAS, ids=PALLAS_IDS)
+def test_packed_sequences_with_initial_states(fn, impl):
+    cu, s0, (q, k, v, g, beta) = packed(LENGTHS, seed=1)
+    o, s = fn(*f32(q, k, v, g, beta), initial_state=f32(s0)[0], cu_seqlens=jnp.asarray(cu),
+              output_final_state=True, impl=impl)
+    assert o.shape == (1, cu[-1], H, V) and s.shape == (len(LENGTHS), H, K, V)
+    for n in range(len(LENGTHS)):
+        part = slice(cu[n], cu[n + 1])
+        ref_o, ref_s = numpy_kda(q[0, part], k[0, part], v[0, part], g[0, part], beta[0, part], K ** -0.5, s0[n])
+        if LENGTHS[n]:
+            assert_close(o[0, part], ref_o, FP32_REL)
+        assert_close(s[n], ref_s, FP32_REL)  # the empty sequence keeps its initial state
+
+
+@pytest.mark.parametrize(("fn", "impl"), PALLAS, ids=PALLAS_IDS)
+def test_batch_rows_without_initial_state(fn, impl):
+    q, k, v, g, beta = make_inputs((2, T), seed=0)
+    o, s = fn(*f32(q, k, v, g, beta), output_final_state=True, impl=impl)
+    assert o.dtype == jnp.float32 and s.dtype == jnp.float32
+    for b in range(2):
+        ref_o, ref_s = numpy_kda(q[b], k[b], v[b], g[b], beta[b], K ** -0.5)
+        assert_close(o[b], ref_o, FP32_REL)
+        assert_close(s[b], ref_s, FP32_REL)
+
+
+@pytest.mark.parametrize("gate", [30.0, "constant"])
+def test_strong_gates_stay_finite_and_exact(gate):
+    """Kimi Linear's unbounded gate: decays far below exp(-40) per step. The in-chunk decays must be
+    exp of differences <= 0, never exp(G_i) * exp(-G_j), which would overflow fp32."""
+    q, k, v, g, beta = make_inputs((2, T), seed=3, gate=1.0 if gate == "constant" else gate)
+    if gate == "constant":
+        g = np.full_like(g, -30.0)
+    o, s = chunk_kda(*f32(q, k, v, g, beta), output_final_state=True, impl="pallas")
+    assert np.isfinite(np.asarray(o)).all()
+    for b in range(2):
+        ref_o, ref_s = numpy_kda(q[b], k[b], v[b], g[b], beta[b], K ** -0.5)
+        assert_close(o[b], ref_o, FP32_REL)
+        assert_close(s[b], ref_s, FP32_REL)
+
+
+@pytest.mark.parametrize(("fn", "impl"), PALLAS, ids=PALLAS_IDS)
+def test_bf16_inputs(fn, impl):
+    q, k, v, g, beta = make_inputs((1, T), seed=7)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g, beta)]
+    o, s = fn(*args, output_final_state=True, impl=impl)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    # The reference sees the same bf16-rounded inputs, so only the computation differs: fp32 inside,
+    # then o rounded to bf16 (8 significant bits: at most 2**-9 of |o|). The state stays fp32.
+    ref_o, ref_s = numpy_kda(*(np.asarray(x, np.float64)[0] for x in args), K ** -0.5)
+    assert_close(o[0], ref_o, 2.0 ** -8)
+    assert_close(s[0], ref_s, FP32_REL)
+
+
+@pytest.mark.parametrize(("fn", "impl"), PALLAS, ids=PALLAS_IDS)
+def test_l2norm_in_kernel_and_custom_scale(fn, impl):
+    q, k, v, g, beta = make_inputs((2, T), seed=2, unit_qk=False)
+    q, k = 3 * q, 0.5 * k  # the kernel must normalise them
+    o, s = fn(*f32(q, k, v, g, beta), scale=0.3, output_final_state=True, use_qk_l2norm_in_kernel=True, impl=impl)
+    for b in range(2):
+        ref_o, ref_s = numpy_kda(q[b], k[b], v[b], g[b], beta[b], 0.3, l2norm=True)
+        assert_close(o[b], ref_o, FP32_REL)
+        assert_close(s[b], ref_s, FP32_REL)
+
+
+# (fn, impl, every): page-sized snapshots (chunk boundaries) and boundaries inside chunks; the XLA
+# chunked path shares layout.py with the Pallas one, so it is checked on the harder spacing only.
+SNAPSHOT_CASES = [(chunk_kda, "pallas", 64), (chunk_kda, "pallas", 5), (fused_recurrent_kda, "pallas", 64),
+                  (fused_recurrent_kda, "pallas", 5), (chunk_kda, "xla", 5), (chunk_kda, "reference", 64),
+                  (chunk_kda, "reference", 5)]
+SNAPSHOT_LENGTHS = [1, 0, 70, 12]  # a short one without snapshots, an empty one, ragged ends
+
+
+@pytest.mark.parametrize(("fn", "impl", "every"), SNAPSHOT_CASES,
+                         ids=[f"{fn.__name__.split('_')[0]}-{impl}-{every}" for fn, impl, every in SNAPSHOT_CASES])
+def test_packed_snapshots_are_final_states_of_prefixes(fn, impl, every):
+    """Each snapshot equals the final state of the reference run on the sequence cut after that position."""
+    cu, s0, (q, k, v, g, beta) = packed(SNAPSHOT_LENGTHS, seed=4)
+    o, s, snaps = fn(*f32(q, k, v, g, beta), initial_state=f32(s0)[0], cu_seqlens=jnp.asarray(cu),
+                     output_final_state=True, output_state_every=every, impl=impl)
+    assert snaps.shape == (int(cu[-1]) // every, H, K, V) and snaps.dtype == jnp.float32
+    row = 0
+    for n, length in enumerate(SNAPSHOT_LENGTHS):
+        part = slice(cu[n], cu[n + 1])
+        ref_o, ref_s = numpy_kda(q[0, part], k[0, part], v[0, part], g[0, part], beta[0, part], K ** -0.5, s0[n])
+        if length:  # the outputs do not depend on where the snapshots fall
+            assert_close(o[0, part], ref_o, FP32_REL)
+        assert_close(s[n], ref_s, FP32_REL)
+        for end in range(every, length + 1, every):
+            prefix = slice(cu[n], cu[n] + end)
+            _, ref_snap = numpy_kda(q[0, prefix], k[0, prefix], v[0, prefix], g[0, prefix], beta[0, prefix],
+                                    K ** -0.5, s0[n])
+            assert_close(snaps[row], ref_snap, FP32_REL)
+            row += 1
+    assert row == sum(length // every for length in SNAPSHOT_LENGTHS)
+
+
+@pytest.mark.parametrize(("fn", "impl"), [(fused_recurrent_kda, "pallas"), (chunk_kda, "reference")],
+                         ids=["recurrent-pallas", "reference"])
+def test_batch_snapshots_per_row(fn, impl):
+    """Without cu_seqlens the snapshots are [B, T // every, H, K, V], per batch row (api.py packs the
+    batch for every implementation, so two of them check it)."""
+    every = 3
+    q, k, v, g, beta = make_inputs((2, 8), seed=5)  # a speculative window: the state after every few tokens
+    o, s, snaps = fn(*f32(q, k, v, g, beta), output_final_state=True, output_state_every=every, impl=impl)
+    assert snaps.shape == (2, 8 // every, H, K, V)
+    for b in range(2):
+        for i in range(8 // every):
+            end = every * (i + 1)
+            _, ref_snap = numpy_kda(q[b, :end], k[b, :end], v[b, :end], g[b, :end], beta[b, :end], K ** -0.5)
+            assert_close(snaps[b, i], ref_snap, FP32_REL)
+    o_plain, s_plain = fn(*f32(q, k, v, g, beta), output_final_state=True, impl=impl)  # the two-result form
+    assert_close(o, o_plain, FP32_REL)
+    assert_close(s, s_plain, FP32_REL)
+
+
+def test_bad_arguments_name_the_argument():
+    q, k, v, g, beta = f32(*make_inputs((1, 4), seed=6))
+    with pytest.raises(ValueError, match="output_state_every must be a positive int"):
+        chunk_kda(q, k, v, g, beta, output_state_every=0)
+    with pytest.raises(ValueError, match="output_state_every must be a positive int"):
+        fused_recurrent_kda(q, k, v, g, beta, output_state_every=2.5)
+    with pytest.raises(ValueError, match="impl='pallas' needs K a power of 2"):
+        chunk_kda(q[..., :24], k[..., :24], v, g[..., :24], beta, impl="pallas")
+    with pytest.raises(ValueError, match="impl='pallas' needs V a power of 2"):
+        fused_recurrent_kda(q, k, v[..., :8], g, beta, impl="pallas")
+
+
+def test_auto_is_xla_off_gpu():
+    assert jax.default_backend() != "gpu"  # the CPU test suite
+    assert api._resolve("auto") == "xla"
+
+
+# K3 per device: 12 KDA heads of 128 at TP8, chunks of 64, bf16 activations with fp32 gates; 8192
+# tokens packed as two sequences, the first ending mid-chunk.
+K3_T, K3_H, K3_D = 8192, 12, 128
+
+
+@pytest.mark.parametrize("every", [None, 64])
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize(("kernel", "calls"), [(pallas_triton.chunk_kda, 2), (pallas_triton.fused_recurrent_kda, 1)],
+                         ids=["chunk", "recurrent"])
+def test_lowers_to_triton_at_k3_shapes(kernel, calls, platform, every):
+    def run(q, k, v, g, beta, initial_state, cu_seqlens):
+        return kernel(q, k, v, g, beta, scale=K3_D ** -0.5, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                      l2norm=True, every=every)
+
+    rows = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+    args = (rows((1, K3_T, K3_H, K3_D)), rows((1, K3_T, K3_H, K3_D)), rows((1, K3_T, K3_H, K3_D)),
+            jax.ShapeDtypeStruct((1, K3_T, K3_H, K3_D), jnp.float32), jax.ShapeDtypeStruct((1, K3_T, K3_H), jnp.float32),
+            jax.ShapeDtypeStruct((2, K3_H, K3_D, K3_D), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.int32))
+    assert triton_call_count(lower_for_gpu(run, *args, platform=platform)) == calls
