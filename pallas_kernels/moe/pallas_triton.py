@@ -30,6 +30,8 @@ _CONTRACT_LAST = (((1,), (1,)), ((), ()))  # [rows, k] . [n, k] -> [rows, n]
 
 def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, interpret: bool = False):
     """See `pallas_kernels.moe.api.expert_ffn`. Needs D and F to be multiples of 32."""
+    if x_sorted.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"x must be bf16, f16 or f32 for the Pallas kernels, got {x_sorted.dtype}")
     m, d = x_sorted.shape
     num_experts, f, _ = w_gate.shape
     for name, size in (("D (expert input width)", d), ("F (expert intermediate width)", f)):
