@@ -30,18 +30,19 @@ _CONTRACT_LAST = (((1,), (1,)), ((), ()))  # [rows, k] . [n, k] -> [rows, n]
 
 def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, interpret: bool = False):
     """See `pallas_kernels.moe.api.expert_ffn`. Needs D and F to be multiples of 32."""
-    if x_sorted.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise ValueError(f"x must be bf16, f16 or f32 for the Pallas kernels, got {x_sorted.dtype}")
+    if x_sorted.dtype not in (jnp.bfloat16, jnp.float32):  # the MXFP4 decode writes their exponent fields
+        raise ValueError(f"x must be bf16 or f32 for the Pallas kernels, got {x_sorted.dtype}")
     m, d = x_sorted.shape
     num_experts, f, _ = w_gate.shape
     for name, size in (("D (expert input width)", d), ("F (expert intermediate width)", f)):
         if size % GROUP:
             raise ValueError(f"the Pallas MoE kernels need {name} to be a multiple of {GROUP}, got {size} "
                              f"(w_gate {tuple(w_gate.shape)})")
-    rows = _row_tile(m, num_experts)
-    plan = _tile_plan(group_sizes.astype(jnp.int32), m, rows)
-    hidden = _grouped_matmul(x_sorted, plan, (w_gate, w_up), rows=rows, activation=activation, interpret=interpret)
-    return _grouped_matmul(hidden, plan, (w_down,), rows=rows, activation=None, interpret=interpret)
+    block_m = _row_tile(m, num_experts)
+    plan = _tile_plan(group_sizes.astype(jnp.int32), m, block_m)
+    hidden = _grouped_matmul(x_sorted, plan, (w_gate, w_up), block_m=block_m, activation=activation,
+                             interpret=interpret)
+    return _grouped_matmul(hidden, plan, (w_down,), block_m=block_m, activation=None, interpret=interpret)
 
 
 def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interpret: bool = False):
@@ -65,34 +66,34 @@ def _row_tile(m: int, num_experts: int) -> int:
     return max(16, min(128, pl.next_power_of_2(mean)))
 
 
-def _tile_plan(group_sizes, m: int, rows: int):
+def _tile_plan(group_sizes, m: int, block_m: int):
     """int32 arrays (group, first row, end row) per row tile, for a static count of tiles.
 
-    Group g < E gets ceil(size_g / rows) tiles over its rows; group E is the padding rows
-    [sum(group_sizes), m). At most ceil(m / rows) + min(E, m) + 1 tiles are real (each non-empty
+    Group g < E gets ceil(size_g / block_m) tiles over its rows; group E is the padding rows
+    [sum(group_sizes), m). At most ceil(m / block_m) + min(E, m) + 1 tiles are real (each non-empty
     group and the padding waste less than one tile); the rest are empty (end == first) and exit.
     """
     num_experts = group_sizes.shape[0]
     ends = jnp.append(jnp.minimum(jnp.cumsum(group_sizes), m), m)  # group E: the padding rows
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
-    tiles = (ends - starts + rows - 1) // rows
+    tiles = (ends - starts + block_m - 1) // block_m
     tile_ends = jnp.cumsum(tiles)
-    tile = jnp.arange(pl.cdiv(m, rows) + min(num_experts, m) + 1, dtype=jnp.int32)
+    tile = jnp.arange(pl.cdiv(m, block_m) + min(num_experts, m) + 1, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(tile_ends, tile, side="right"), num_experts).astype(jnp.int32)
-    first = starts[group] + (tile - (tile_ends - tiles)[group]) * rows
+    first = starts[group] + (tile - (tile_ends - tiles)[group]) * block_m
     real = tile < tile_ends[-1]
     first = jnp.where(real, first, 0)
-    end = jnp.where(real, jnp.minimum(first + rows, ends[group]), 0)
+    end = jnp.where(real, jnp.minimum(first + block_m, ends[group]), 0)
     return group, first, end
 
 
-def _block_sizes(rows: int, n: int, k: int, fused: bool) -> tuple[int, int]:
+def _block_sizes(block_m: int, n: int, k: int, fused: bool) -> tuple[int, int]:
     """(output columns, reduction step) per program: powers of two dividing n and k (k in whole
     MXFP4 groups). Decode tiles are weight-bound: narrow columns for many programs and a long
     reduction step for long loads. Prefill tiles keep the fp32 accumulators (two when fused)
     in registers."""
-    block_n = 64 if rows <= 32 or fused else 128
-    block_k = 128 if rows <= 32 else 64
+    block_n = 64 if block_m <= 32 or fused else 128
+    block_k = 128 if block_m <= 32 else 64
     return _largest_pow2_divisor(n, block_n), _largest_pow2_divisor(k, block_k)
 
 
@@ -100,27 +101,27 @@ def _largest_pow2_divisor(size: int, cap: int) -> int:
     return min(cap, size & -size)
 
 
-def _grouped_matmul(x, plan, weights, *, rows, activation, interpret):
+def _grouped_matmul(x, plan, weights, *, block_m, activation, interpret):
     """act(x W_0^T, x W_1^T) for two weights (gate, up), x W_0^T for one (down); [m, n] in x's dtype."""
     m, k = x.shape
     num_experts, n, _ = weights[0].shape
     fused = len(weights) == 2
-    block_n, block_k = _block_sizes(rows, n, k, fused)
+    block_n, block_k = _block_sizes(block_m, n, k, fused)
     quantized = isinstance(weights[0], Mxfp4Tensor)
     leaves = [leaf for w in weights for leaf in (w if quantized else (w,))]
-    kernel = functools.partial(_kernel, num_experts=num_experts, rows=rows, block_n=block_n, block_k=block_k,
+    kernel = functools.partial(_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n, block_k=block_k,
                                refs_per_weight=2 if quantized else 1, activation=activation)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         grid=(plan[0].shape[0], n // block_n),
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4 if rows <= 32 else 8, num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if block_m <= 32 else 8, num_stages=3),
         name="moe_gate_up" if fused else "moe_down",
     )(*plan, x, *leaves)
 
 
-def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, rows, block_n, block_k, refs_per_weight,
+def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, refs_per_weight,
             activation):
     """One (row tile, column block): all grid axes are independent."""
     *weight_refs, out_ref = refs
@@ -128,19 +129,19 @@ def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, rows, bloc
     tile = pl.program_id(0)
     group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
-    in_tile = ((first + jnp.arange(rows)) < end)[:, None]
-    row_mask, out_mask = (jnp.broadcast_to(in_tile, (rows, width)) for width in (block_k, block_n))
-    out_at = out_ref.at[pl.ds(first, rows), cols]
+    in_tile = ((first + jnp.arange(block_m)) < end)[:, None]
+    row_mask, out_mask = (jnp.broadcast_to(in_tile, (block_m, width)) for width in (block_k, block_n))
+    out_at = out_ref.at[pl.ds(first, block_m), cols]
 
     @pl.when((end > first) & (group < num_experts))
     def _matmul():
         def step(i, accs):
-            x = plgpu.load(x_ref.at[pl.ds(first, rows), pl.ds(i * block_k, block_k)], mask=row_mask, other=0)
+            x = plgpu.load(x_ref.at[pl.ds(first, block_m), pl.ds(i * block_k, block_k)], mask=row_mask, other=0)
             return tuple(acc + jax.lax.dot_general(x, _weight_tile(w, group, cols, i, block_k, x.dtype),
                                                    _CONTRACT_LAST, preferred_element_type=jnp.float32)
                          for acc, w in zip(accs, weights))
 
-        zeros = jnp.zeros((rows, block_n), jnp.float32)
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
         accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * len(weights))
         out = activation(*accs) if activation is not None else accs[0]
         plgpu.store(out_at, out.astype(out_ref.dtype), mask=out_mask)
@@ -148,7 +149,7 @@ def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, rows, bloc
     if activation is None:  # the down kernel writes the padding rows (group E) as zeros
         @pl.when((end > first) & (group == num_experts))
         def _padding():
-            plgpu.store(out_at, jnp.zeros((rows, block_n), out_ref.dtype), mask=out_mask)
+            plgpu.store(out_at, jnp.zeros((block_m, block_n), out_ref.dtype), mask=out_mask)
 
 
 def _weight_tile(refs, expert, cols, step, block_k, dtype):
