@@ -1,7 +1,7 @@
 """Streaming conversion of a Hugging Face checkpoint to the Orbax layout of `convert.orbax_params`.
 
-One decoder layer at a time is read, transformed into the parameter layout, cast, checksummed and
-written, so peak host memory is about one layer. The output is written under a temporary name next
+One decoder layer (or model-level tensor) at a time is read, transformed into the parameter layout,
+cast, written and checksummed while it is written, so peak host memory is about one layer. The output is written under a temporary name next
 to the destination and renamed when complete: an interrupted run never leaves a directory that
 looks converted.
 """
@@ -9,6 +9,7 @@ looks converted.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -16,11 +17,10 @@ import sys
 import time
 
 import numpy as np
-import orbax.checkpoint as ocp
 
 from convert import layout
 from convert.hf_params import HfParams
-from convert.orbax_params import MANIFEST, OrbaxParams, item_name, key, save_item
+from convert.orbax_params import MANIFEST, OrbaxParams, key, layer_item, model_item, save_item, writer
 from convert.reader import CheckpointError
 from k3jax.config import K3Config
 
@@ -30,7 +30,8 @@ _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
 
 
 def checksum(array) -> str:
-    return hashlib.sha256(np.ascontiguousarray(np.asarray(array)).tobytes()).hexdigest()
+    """sha256 of the array's bytes in C order (hashed in place when the array is already contiguous)."""
+    return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
 
 
 def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", overwrite: bool = False, verify: bool = False,
@@ -63,16 +64,19 @@ def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", overwrite: bool = F
 
 
 def _write(source: HfParams, cfg: K3Config, directory: str, dtype: str, out) -> dict:
-    total = layout.checkpoint_bytes(cfg)
-    progress = _Progress(total, out)
-    checkpointer = ocp.StandardCheckpointer()
+    progress = _Progress(layout.checkpoint_bytes(cfg), out)
+    checkpointer = writer()
     items = {}
-    for layer in [None, *range(cfg.num_hidden_layers)]:
-        arrays = source.model() if layer is None else source.layer(layer)
-        items[item_name(layer)] = {key(p): {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": checksum(a)}
-                                   for p, a in arrays.items()}
-        save_item(directory, layer, arrays, checkpointer)
-        checkpointer.wait_until_finished()  # bounds host memory to the layer being written
+    groups = itertools.chain(((model_item(p), lambda p=p, a=a: {p: a}) for p, a in source.model_arrays()),
+                             ((layer_item(i), lambda i=i: source.layer(i)) for i in range(cfg.num_hidden_layers)))
+    for name, read in groups:
+        arrays = read()
+        save_item(directory, name, arrays, checkpointer)
+        # Hashing releases the GIL: it runs while Orbax writes the same (never modified) arrays.
+        items[name] = {key(p): {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": checksum(a)}
+                       for p, a in arrays.items()}
+        checkpointer.wait_until_finished()  # bounds host memory to the item being written
+        del arrays
         progress.advance(source.bytes_read)
     source.check_unused()
     progress.done()
@@ -84,11 +88,9 @@ def verify_checkpoint(directory, cfg: K3Config | None = None) -> None:
     """Re-reads every converted array and compares it with the manifest's checksum."""
     cfg = cfg or K3Config.from_pretrained(directory)
     params = OrbaxParams(directory, cfg)
-    for layer in [None, *range(cfg.num_hidden_layers)]:
-        name = item_name(layer)
-        arrays = params.model() if layer is None else params.layer(layer)
-        for path, array in arrays.items():
-            if checksum(array) != params.manifest["items"][name][key(path)]["sha256"]:
+    for name, entries in params.manifest["items"].items():
+        for path, array in params.restore(name).items():
+            if checksum(array) != entries[key(path)]["sha256"]:
                 raise CheckpointError(f"{directory}: {name}/{key(path)} does not match its manifest checksum")
 
 

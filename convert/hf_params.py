@@ -36,26 +36,28 @@ class HfParams:
     def model(self, shardings=None) -> dict[tuple, np.ndarray]:
         """Model-level parameters (embedding, final norms, LM head) by parameter path (host arrays:
         `shardings` is for sources that can read per device)."""
-        rules = layout.model_rules(self.cfg)
-        names = [self._decoder + r.name for r in rules]
+        return dict(self.model_arrays())
+
+    def model_arrays(self):
+        """The model-level parameters one at a time, as (path, array): the converter writes each as it comes."""
+        rules = [(r, self._decoder + r.name) for r in layout.model_rules(self.cfg)]
         head = layout.lm_head_rule(self.cfg)
         if head:
-            rules.append(head)
-            names.append(head.name)
-        return {r.path: self._cast(r, self._read(r, n)) for r, n in zip(rules, names)}
+            rules.append((head, head.name))
+        for rule, name in rules:
+            yield rule.path, self._cast(rule, self._read(rule, name))
 
     def layer(self, index: int, shardings=None) -> dict[tuple, np.ndarray]:
         """Parameters of decoder layer `index`, by path relative to the layer module."""
         attn, mlp = self.cfg.layer_kinds()[index]
         prefix = f"{self._decoder}layers.{index}."
-        arrays = {r.path: self._cast(r, self._read(r, prefix + r.name)) for r in layout.layer_rules(self.cfg, attn, mlp)}
-        self.reader.release()  # keep host memory at about one layer
-        return arrays
+        return {r.path: self._cast(r, self._read(r, prefix + r.name)) for r in layout.layer_rules(self.cfg, attn, mlp)}
 
     def _cast(self, rule: layout.Rule, array: np.ndarray) -> np.ndarray:
+        """`array` in the parameter dtype and C order (transposed tensors are laid out once, here)."""
         if self.dtype is None or rule.dtype == layout.U8:
-            return array
-        return array.astype(np.float32 if rule.dtype == layout.F32 else _NUMPY_DTYPES[self.dtype])
+            return np.ascontiguousarray(array)
+        return np.asarray(array, np.float32 if rule.dtype == layout.F32 else _NUMPY_DTYPES[self.dtype], order="C")
 
     def check_unused(self) -> None:
         """Raises if the checkpoint holds text tensors that no parameter consumed."""
@@ -74,7 +76,11 @@ class HfParams:
 
     def _read(self, rule: layout.Rule, name: str) -> np.ndarray:
         if rule.transform == "experts":
-            return np.stack([self._tensor(rule, name.format(e=e), rule.shape) for e in range(self.cfg.num_experts)])
+            names = [name.format(e=e) for e in range(self.cfg.num_experts)]
+            stacked = np.empty((len(names), *rule.shape), self._check(rule, names[0], rule.shape))
+            for e, expert in enumerate(names):  # read in place: no per-expert arrays to stack
+                self._tensor(rule, expert, rule.shape, out=stacked[e])
+            return stacked
         array = self._tensor(rule, self._present(name, rule), None)
         if rule.transform in ("linear", "vector", "squeeze"):
             _expect(name, array, rule.shape)
@@ -101,17 +107,22 @@ class HfParams:
                 return candidate
         return name  # reading it raises the error that names the tensor
 
-    def _tensor(self, rule: layout.Rule, name: str, shape) -> np.ndarray:
-        array = self.reader.read(name)
+    def _check(self, rule: layout.Rule, name: str, shape) -> np.dtype:
+        """Checks the stored dtype (and shape when given) against the rule; returns the dtype to read as."""
+        dtype, stored_shape = self.reader.info(name)
         if rule.dtype == layout.U8:
-            if array.dtype == ml_dtypes.float8_e8m0fnu:  # E8M0 scales stored as a float8 type: same bytes
-                array = array.view(np.uint8)
-            if array.dtype != np.uint8:
-                raise CheckpointError(f"{name} has dtype {array.dtype}, expected uint8 (MXFP4 codes or scales)")
-        elif array.dtype not in _FLOAT_DTYPES:
-            raise CheckpointError(f"{name} has dtype {array.dtype}, expected a float type (bfloat16 or float32)")
-        if shape is not None:
-            _expect(name, array, shape)
+            if dtype not in (np.uint8, ml_dtypes.float8_e8m0fnu):  # E8M0 scales may be stored as a float8 type
+                raise CheckpointError(f"{name} has dtype {dtype}, expected uint8 (MXFP4 codes or scales)")
+            dtype = np.dtype(np.uint8)
+        elif dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{name} has dtype {dtype}, expected a float type (bfloat16 or float32)")
+        if shape is not None and stored_shape != tuple(shape):
+            raise CheckpointError(f"{name} has shape {stored_shape}, expected {tuple(shape)}")
+        return dtype
+
+    def _tensor(self, rule: layout.Rule, name: str, shape, out: np.ndarray | None = None) -> np.ndarray:
+        dtype = self._check(rule, name, shape)
+        array = self.reader.read(name, out).view(dtype)
         self.used.add(name)
         self.bytes_read += array.nbytes
         return array

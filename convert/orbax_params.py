@@ -1,11 +1,12 @@
 """Converted checkpoints: parameters in the model's layout as Orbax items, one per decoder layer.
 
     OUT/config.json, tokenizer files, manifest.json
-    OUT/params/model        embedding, final norms, LM head
-    OUT/params/layer_00000  decoder layer 0 (MXFP4 experts packed), ...
+    OUT/params/model.embed_tokens, model.lm_head.kernel, ...   one item per model-level tensor
+    OUT/params/layer_00000                                     decoder layer 0 (MXFP4 experts packed), ...
 
 One item per layer keeps conversion streaming (one layer in host memory) and lets a restore read
-each layer straight into its device shards.
+each layer straight into its device shards. The model-level tensors get an item each because the
+embedding and LM head are each as large as a layer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from convert.reader import CheckpointError
@@ -23,8 +25,12 @@ PARAMS_DIR = "params"
 MANIFEST = "manifest.json"
 
 
-def item_name(layer: int | None) -> str:
-    return "model" if layer is None else f"layer_{layer:05d}"
+def layer_item(layer: int) -> str:
+    return f"layer_{layer:05d}"
+
+
+def model_item(path: tuple) -> str:
+    return "model." + ".".join(map(str, path))
 
 
 def is_converted(directory) -> bool:
@@ -50,19 +56,24 @@ class OrbaxParams:
         self._checkpointer = ocp.StandardCheckpointer()
 
     def model(self, shardings: dict | None = None) -> dict[tuple, jax.Array]:
-        return self._restore(None, shardings or {})
+        arrays = {}
+        for name in self.manifest["items"]:
+            if name.startswith("model."):
+                arrays.update(self.restore(name, shardings or {}))
+        return arrays
 
     def layer(self, index: int, shardings: dict | None = None) -> dict[tuple, jax.Array]:
-        return self._restore(index, shardings or {})
+        return self.restore(layer_item(index), shardings or {})
 
     def check_unused(self) -> None:
         """Nothing to check: the converter wrote exactly the parameters (the manifest lists them)."""
 
-    def _restore(self, layer: int | None, shardings: dict) -> dict[tuple, jax.Array]:
-        name = item_name(layer)
+    def restore(self, name: str, shardings: dict | None = None) -> dict[tuple, jax.Array]:
+        """The arrays of item `name`, each restored into its sharding from `shardings` when given."""
         entries = self.manifest["items"].get(name)
         if entries is None:
             raise CheckpointError(f"{self.directory}: manifest has no item {name!r}")
+        shardings = shardings or {}
         target = {}
         for k, entry in entries.items():
             shape = tuple(entry["shape"])
@@ -75,5 +86,17 @@ class OrbaxParams:
         return {tuple(k.split("/")): v for k, v in restored.items()}
 
 
-def save_item(directory: str, layer: int | None, arrays: dict[tuple, object], checkpointer) -> None:
-    checkpointer.save(os.path.join(directory, PARAMS_DIR, item_name(layer)), {key(p): a for p, a in arrays.items()})
+def writer() -> ocp.AsyncCheckpointer:
+    """The converter's checkpointer. Uncompressed: MXFP4 codes and random-looking bf16 weights gain
+    little from zstd, which cost a third of the conversion time and slowed every restore. Host arrays
+    are written without Orbax's defensive copy: the converter never modifies an array it saves."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.ArrayHandler()))
+    return ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry))
+
+
+def save_item(directory: str, name: str, arrays: dict[tuple, np.ndarray], checkpointer: ocp.AsyncCheckpointer) -> None:
+    """Starts writing one item; the caller waits with `checkpointer.wait_until_finished()`."""
+    tree = {key(p): a for p, a in arrays.items()}
+    checkpointer.save(os.path.join(directory, PARAMS_DIR, name), args=ocp.args.PyTreeSave(tree))

@@ -103,11 +103,13 @@ def _sharding(mesh: Mesh | None, axes: tuple[str, ...], shape):
 
 
 def _place(array, dtype, sharding):
-    if isinstance(array, jax.Array):
-        return jax.device_put(array.astype(dtype), sharding) if sharding else array.astype(dtype)
-    host = np.asarray(array).astype(jnp.dtype(dtype))
+    dtype = jnp.dtype(dtype)
+    if isinstance(array, jax.Array):  # restored from Orbax, already in its sharding
+        array = array if array.dtype == dtype else array.astype(dtype)  # an eager astype compiles per shape
+        return jax.device_put(array, sharding) if sharding else array
+    host = np.asarray(array, dtype)
     if sharding is None:
-        return jnp.asarray(host)
+        return jax.device_put(host)  # jnp.asarray would compile a staging op per shape
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])  # per-device slices
 
 

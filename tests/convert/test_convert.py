@@ -1,6 +1,7 @@
 """python -m convert: Orbax round trips, atomic output, verification, errors; synthetic extras."""
 
 import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 import k3jax
 from convert import synth
@@ -48,7 +50,12 @@ def test_output_carries_config_tokenizer_and_manifest(k3_src, tmp_path):
     assert packed["dtype"] == "uint8" and packed["shape"] == [16, 32, 16]  # MXFP4 stays packed, stacked [E, ...]
     assert manifest["items"]["layer_00001"]["self_attn/q_proj/kernel"]["dtype"] == "bfloat16"
     assert manifest["items"]["layer_00001"]["self_attn/A_log"]["dtype"] == "float32"  # gate params stay fp32
-    assert len(manifest["items"]["model"]["embed_tokens"]["sha256"]) == 64
+    # The checksum is of the bytes as stored (the embedding is bf16 in the source and stays so).
+    index = json.loads((k3_src / "model.safetensors.index.json").read_text())
+    name = "language_model.model.embed_tokens.weight"
+    with safe_open(k3_src / index["weight_map"][name], framework="numpy") as f:
+        source_bytes = f.get_tensor(name).tobytes()
+    assert manifest["items"]["model.embed_tokens"]["embed_tokens"]["sha256"] == hashlib.sha256(source_bytes).hexdigest()
 
 
 def test_destination_not_empty_needs_overwrite(k3_src, tmp_path):
