@@ -165,23 +165,30 @@ def _weight_tile(refs, expert, cols, step, block_k, dtype):
 def _decode_mxfp4(packed, scales, dtype):
     """[n, k] weights in `dtype` (bf16 or f32) from packed uint8 [n, k/2] and scale bytes [n, k/32].
 
-    Integer ops build each E2M1 value's bit pattern in `dtype`, and each scale byte is the exponent
-    field of 2**(byte - 127) (E8M0 and f32/bf16 share the bias 127); one multiply applies it.
-    Every value is exact (a 2-bit significand times a power of two). Scale byte 0 gives 0 rather
-    than the subnormal 2**-127 and byte 255 (not used, spec 3.3) gives +-inf rather than NaN.
+    Both nibbles of a byte share a scale, so each is decoded at the byte's position and the two
+    halves are interleaved last (low nibble = even input), moving 16-bit values rather than codes.
+    A scale byte is the exponent field of 2**(byte - 127) (E8M0 and f32/bf16 share the bias 127);
+    one multiply applies it. Every value is exact (a 2-bit significand times a power of two).
+    Scale byte 0 gives 0 rather than the subnormal 2**-127 and byte 255 (not used, spec 3.3) gives
+    +-inf rather than NaN.
     """
     n, half = packed.shape
+    groups = scales.shape[1]
+    nmant = jnp.finfo(dtype).nmant
+    bits_dtype = jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.uint32
+    scale = jax.lax.bitcast_convert_type((scales.astype(jnp.uint32) << nmant).astype(bits_dtype), dtype)
+    scale = jnp.broadcast_to(scale[:, :, None], (n, groups, GROUP // 2)).reshape(n, half)  # per byte
+    byte = packed.astype(jnp.uint32)
+    low, high = (_e2m1(codes, dtype) * scale for codes in (byte & 0xF, byte >> 4))
+    return jnp.stack([low, high], axis=-1).reshape(n, 2 * half)
+
+
+def _e2m1(codes, dtype):
+    """E2M1 codes (uint32, 0..15) as values in `dtype`, built as bit patterns."""
     nmant = jnp.finfo(dtype).nmant
     width = 8 * jnp.dtype(dtype).itemsize
-    bits_dtype = jnp.uint16 if width == 16 else jnp.uint32
-    byte = packed.astype(jnp.uint32)
-    codes = jnp.stack([byte & 0xF, byte >> 4], axis=-1).reshape(n, 2 * half)  # low nibble: even input
     mag = codes & 7  # 2 exponent bits e, 1 mantissa bit m
     # mag >= 2 is 2**(e-1) * (1 + m/2): exponent field e + 126, m the top mantissa bit. mag 1 is 0.5.
     bits = jnp.where(mag >= 2, (mag << (nmant - 1)) + (126 << nmant), jnp.where(mag == 1, 126 << nmant, 0))
     bits = bits | ((codes & 8) << (width - 4))  # sign
-    values = jax.lax.bitcast_convert_type(bits.astype(bits_dtype), dtype)
-    scale = jax.lax.bitcast_convert_type((scales.astype(jnp.uint32) << nmant).astype(bits_dtype), dtype)
-    groups = scales.shape[1]
-    scale = jnp.broadcast_to(scale[:, :, None], (n, groups, GROUP)).reshape(n, groups * GROUP)
-    return values * scale
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16 if width == 16 else jnp.uint32), dtype)
