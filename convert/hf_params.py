@@ -51,7 +51,9 @@ class HfParams:
         """Parameters of decoder layer `index`, by path relative to the layer module."""
         attn, mlp = self.cfg.layer_kinds()[index]
         prefix = f"{self._decoder}layers.{index}."
-        return {r.path: self._cast(r, self._read(r, prefix + r.name)) for r in layout.layer_rules(self.cfg, attn, mlp)}
+        shardings = shardings or {}
+        return {r.path: self._cast(r, self._read(r, prefix + r.name, shardings.get(r.path)))
+                for r in layout.layer_rules(self.cfg, attn, mlp)}
 
     def _cast(self, rule: layout.Rule, array: np.ndarray) -> np.ndarray:
         """`array` in the parameter dtype and C order (transposed tensors are laid out once, here)."""
@@ -74,12 +76,17 @@ class HfParams:
             raise CheckpointError(f"{len(unused)} checkpoint tensors match no parameter of this config, e.g. "
                                   f"{sorted(unused)[:5]}")
 
-    def _read(self, rule: layout.Rule, name: str) -> np.ndarray:
+    def _read(self, rule: layout.Rule, name: str, sharding=None) -> np.ndarray:
         if rule.transform == "experts":
             names = [name.format(e=e) for e in range(self.cfg.num_experts)]
             stacked = np.empty((len(names), *rule.shape), self._check(rule, names[0], rule.shape))
+            local = _local_rows(sharding, stacked.shape)
             for e, expert in enumerate(names):  # read in place: no per-expert arrays to stack
-                self._tensor(rule, expert, rule.shape, out=stacked[e])
+                if e in local:
+                    self._tensor(rule, expert, rule.shape, out=stacked[e])
+                else:  # another process's expert: checked, never read (its rows stay unwritten)
+                    self._check(rule, expert, rule.shape)
+                    self.used.add(expert)
             return stacked
         array = self._tensor(rule, self._present(name, rule), None)
         if rule.transform in ("linear", "vector", "squeeze"):
@@ -126,6 +133,17 @@ class HfParams:
         self.used.add(name)
         self.bytes_read += array.nbytes
         return array
+
+
+def _local_rows(sharding, shape) -> set[int] | range:
+    """Rows (axis 0) that this process's devices hold under `sharding`; all rows without one. With
+    experts spread over every device of a multi-host mesh, each host reads only its own experts."""
+    if sharding is None:
+        return range(shape[0])
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+        rows.update(range(*index[0].indices(shape[0])))
+    return rows
 
 
 def _expect(name: str, array: np.ndarray, shape) -> None:

@@ -1,5 +1,6 @@
 """Two local processes x 8 CPU devices (gloo) run one forward on a global 8x2 mesh and match the
-single-process result."""
+single-process result, for random weights and for a synthetic checkpoint each process loads itself
+(reading only the experts its devices hold)."""
 
 import os
 import socket
@@ -8,8 +9,11 @@ import sys
 
 import numpy as np
 
+import k3jax
+from convert import layout, synth
 from k3jax.config import K3Config
 from k3jax.model import K3Model
+from tests.k3jax.tiny_configs import k3_tiny_dict
 
 WORKER = """
 import os, sys
@@ -21,11 +25,23 @@ import jax
 from k3jax.config import K3Config
 from k3jax.model import K3Model
 assert len(jax.devices()) == 16 and len(jax.local_devices()) == 8
+import k3jax
+from convert.reader import SafetensorsReader
 model = K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0, mesh="8x2")
 ids = np.random.default_rng(1).integers(0, 512, (4, 9), dtype=np.int32)
 logits = model.logits(ids)
+read_bytes = [0]
+read = SafetensorsReader.read
+def counting_read(self, name, out=None):
+    array = read(self, name, out)
+    read_bytes[0] += array.nbytes
+    return array
+SafetensorsReader.read = counting_read
+loaded = k3jax.from_pretrained(sys.argv[4], dtype="float32", mesh="8x2").logits(ids)
+np.save(f"{sys.argv[3]}.read{jax.process_index()}.npy", np.array(read_bytes[0]))
 if jax.process_index() == 0:
     np.save(sys.argv[3], logits)
+    np.save(sys.argv[3] + ".loaded.npy", loaded)
 jax.distributed.shutdown()
 """
 
@@ -38,10 +54,12 @@ def _free_port() -> int:
 
 def test_two_processes_match_one(tmp_path):
     out = tmp_path / "logits.npy"
+    checkpoint = tmp_path / "hf"
+    cfg = synth.write_checkpoint(checkpoint, k3_tiny_dict(), seed=4)
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, coordinator, str(i), str(out)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, coordinator, str(i), str(out), str(checkpoint)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     results = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, results):
@@ -50,3 +68,10 @@ def test_two_processes_match_one(tmp_path):
     want = K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0, mesh="8x2").logits(ids)
     # same mesh and program; only the collective implementation (gloo across processes) differs
     np.testing.assert_allclose(np.load(out), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+    # Each process read every tensor except the other process's experts (8 of the 16, one per device).
+    expert_bytes = sum(layout.tensor_bytes(r) for r in layout.all_tensors(cfg).values() if r.transform == "experts")
+    for i in range(2):
+        assert int(np.load(f"{out}.read{i}.npy")) == layout.checkpoint_bytes(cfg) - expert_bytes // 2
+    single = k3jax.from_pretrained(checkpoint, dtype="float32", mesh="8x2").logits(ids)
+    np.testing.assert_allclose(np.load(f"{out}.loaded.npy"), single, rtol=0, atol=1e-5 * np.abs(single).max())
