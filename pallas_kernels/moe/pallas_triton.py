@@ -87,14 +87,13 @@ def _tile_plan(group_sizes, m: int, block_m: int):
     return group, first, end
 
 
-def _block_sizes(block_m: int, n: int, k: int, fused: bool) -> tuple[int, int]:
-    """(output columns, reduction step) per program: powers of two dividing n and k (k in whole
-    MXFP4 groups). Decode tiles are weight-bound: narrow columns for many programs and a long
-    reduction step for long loads. Prefill tiles keep the fp32 accumulators (two when fused)
-    in registers."""
-    block_n = 64 if block_m <= 32 or fused else 128
-    block_k = 128 if block_m <= 32 else 64
-    return _largest_pow2_divisor(n, block_n), _largest_pow2_divisor(k, block_k)
+BLOCK_N = 64  # output columns per program: many programs for the weight-bound decode tiles
+
+
+def _block_k(height: int, k: int) -> int:
+    """Reduction step (whole MXFP4 groups, a power of two dividing k): long weight loads for short
+    tiles, which are weight-bound; shorter for tall ones, whose fp32 accumulators fill registers."""
+    return _largest_pow2_divisor(k, 128 if height <= 32 else 64)
 
 
 def _largest_pow2_divisor(size: int, cap: int) -> int:
@@ -105,11 +104,10 @@ def _grouped_matmul(x, plan, weights, *, block_m, activation, interpret):
     """act(x W_0^T, x W_1^T) for two weights (gate, up), x W_0^T for one (down); [m, n] in x's dtype."""
     m, k = x.shape
     num_experts, n, _ = weights[0].shape
-    fused = len(weights) == 2
-    block_n, block_k = _block_sizes(block_m, n, k, fused)
+    block_n = _largest_pow2_divisor(n, BLOCK_N)
     quantized = isinstance(weights[0], Mxfp4Tensor)
     leaves = [leaf for w in weights for leaf in (w if quantized else (w,))]
-    kernel = functools.partial(_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n, block_k=block_k,
+    kernel = functools.partial(_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
                                refs_per_weight=2 if quantized else 1, activation=activation)
     return pl.pallas_call(
         kernel,
@@ -117,39 +115,58 @@ def _grouped_matmul(x, plan, weights, *, block_m, activation, interpret):
         grid=(plan[0].shape[0], n // block_n),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4 if block_m <= 32 else 8, num_stages=3),
-        name="moe_gate_up" if fused else "moe_down",
+        name="moe_gate_up" if len(weights) == 2 else "moe_down",
     )(*plan, x, *leaves)
 
 
-def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, refs_per_weight,
-            activation):
-    """One (row tile, column block): all grid axes are independent."""
+def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, block_m, block_n, refs_per_weight, activation):
+    """One (row tile, column block); all grid axes are independent.
+
+    A tile holds up to block_m rows but runs the dot at the smallest power-of-two height (16 or
+    more) that fits its rows: under expert parallelism most of the m rows are other devices'
+    (padding), so a tile sized from m alone would multiply mostly masked rows.
+    """
     *weight_refs, out_ref = refs
     weights = [weight_refs[i:i + refs_per_weight] for i in range(0, len(weight_refs), refs_per_weight)]
     tile = pl.program_id(0)
     group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
-    in_tile = ((first + jnp.arange(block_m)) < end)[:, None]
-    row_mask, out_mask = (jnp.broadcast_to(in_tile, (block_m, width)) for width in (block_k, block_n))
-    out_at = out_ref.at[pl.ds(first, block_m), cols]
-
-    @pl.when((end > first) & (group < num_experts))
-    def _matmul():
-        def step(i, accs):
-            x = plgpu.load(x_ref.at[pl.ds(first, block_m), pl.ds(i * block_k, block_k)], mask=row_mask, other=0)
-            return tuple(acc + jax.lax.dot_general(x, _weight_tile(w, group, cols, i, block_k, x.dtype),
-                                                   _CONTRACT_LAST, preferred_element_type=jnp.float32)
-                         for acc, w in zip(accs, weights))
-
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * len(weights))
-        out = activation(*accs) if activation is not None else accs[0]
-        plgpu.store(out_at, out.astype(out_ref.dtype), mask=out_mask)
-
+    rows = end - first
+    height = 16
+    while height <= block_m:
+        fits = (rows > height // 2) if height > 16 else (rows > 0)
+        pl.when(fits & (rows <= height) & (group < num_experts))(functools.partial(
+            _tile_matmul, x_ref, weights, out_ref, group, first, end, cols, height, activation))
+        height *= 2
     if activation is None:  # the down kernel writes the padding rows (group E) as zeros
-        @pl.when((end > first) & (group == num_experts))
+        @pl.when((rows > 0) & (group == num_experts))
         def _padding():
-            plgpu.store(out_at, jnp.zeros((block_m, block_n), out_ref.dtype), mask=out_mask)
+            plgpu.store(out_ref.at[pl.ds(first, block_m), cols], jnp.zeros((block_m, block_n), out_ref.dtype),
+                        mask=_row_mask(first, end, block_m, block_n))
+
+
+def _tile_matmul(x_ref, weights, out_ref, group, first, end, cols, height, activation):
+    """out[first:end, cols] for rows [first, end) of expert `group`, at most `height` of them."""
+    k = x_ref.shape[1]
+    block_k = _block_k(height, k)
+    row_mask = _row_mask(first, end, height, block_k)
+    rows = pl.ds(first, height)
+
+    def step(i, accs):
+        x = plgpu.load(x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_mask, other=0)
+        return tuple(acc + jax.lax.dot_general(x, _weight_tile(w, group, cols, i, block_k, x.dtype), _CONTRACT_LAST,
+                                               preferred_element_type=jnp.float32)
+                     for acc, w in zip(accs, weights))
+
+    zeros = jnp.zeros((height, cols.size), jnp.float32)
+    accs = jax.lax.fori_loop(0, k // block_k, step, (zeros,) * len(weights))
+    out = activation(*accs) if activation is not None else accs[0]
+    plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=_row_mask(first, end, height, cols.size))
+
+
+def _row_mask(first, end, height: int, width: int):
+    """[height, width] mask of the rows before `end`, counting from `first`."""
+    return jnp.broadcast_to(((first + jnp.arange(height)) < end)[:, None], (height, width))
 
 
 def _weight_tile(refs, expert, cols, step, block_k, dtype):
