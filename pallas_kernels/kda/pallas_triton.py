@@ -107,59 +107,53 @@ def _unit_lower_inverse(a):
 
 def _intra_kernel(scale_ref, start_ref, length_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                   w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref, *, l2norm):
+    """One chunk and head, block by block: block a needs only its own rows and, of the earlier
+    blocks, their keys decayed to the block's end and their rows of u and w."""
     chunk, head = pl.program_id(0), pl.program_id(1)
     start, length, scale = start_ref[chunk], length_ref[chunk], scale_ref[0]
-    spans, valids, qs, ks, vs, betas, heads, befores = [], [], [], [], [], [], [], []
-    before = jnp.zeros((g_ref.shape[-1],), jnp.float32)  # log decay summed over the earlier blocks
+    spans = [pl.ds(start + a * BLOCK, BLOCK) for a in range(BLOCKS)]
+    valids = [a * BLOCK + jnp.arange(BLOCK) < length for a in range(BLOCKS)]
+    # The log decay of each block, summed in the same order here as for R_a below, so that
+    # G_last - G_i is not pushed above 0 by a different rounding.
+    block_sums = [jnp.sum(_load_rows(g_ref, span, head, valid), axis=0) for span, valid in zip(spans, valids)]
+    total = functools.reduce(jnp.add, block_sums)  # G_last
+    rows, cols = jnp.arange(BLOCK)[:, None], jnp.arange(BLOCK)[None, :]
+    before = jnp.zeros_like(total)  # R_a: the log decay summed over the earlier blocks
+    keys, ends, us, ws = [], [], [], []  # per earlier block
     for a in range(BLOCKS):
-        span = pl.ds(start + a * BLOCK, BLOCK)
-        valid = a * BLOCK + jnp.arange(BLOCK) < length
+        span, valid = spans[a], valids[a]
         q, k, v, g = (_load_rows(ref, span, head, valid) for ref in (q_ref, k_ref, v_ref, g_ref))
+        beta = plgpu.load(beta_ref.at[span, head], mask=valid, other=0).astype(jnp.float32)[:, None]
         if l2norm:
             q, k = _l2_normalize(q), _l2_normalize(k)
-        spans.append(span)
-        valids.append(valid)
-        qs.append(q * scale)
-        ks.append(k)
-        vs.append(v)
-        betas.append(plgpu.load(beta_ref.at[span, head], mask=valid, other=0).astype(jnp.float32)[:, None])
-        heads.append(jnp.cumsum(g, axis=0))  # G_i - R_a, R_a = G just before the block
-        befores.append(before)
-        before = before + jnp.sum(g, axis=0)
-    total = before  # G_last
+        q = q * scale
+        head_sum = jnp.cumsum(g, axis=0)  # G_i - R_a <= 0
+        g_cum = before + head_sum  # G_i
+        row_decay = jnp.exp(head_sum)
 
-    rows, cols = jnp.arange(BLOCK)[:, None], jnp.arange(BLOCK)[None, :]
-    akk = [[None] * BLOCKS for _ in range(BLOCKS)]
-    aqk = [[None] * BLOCKS for _ in range(BLOCKS)]
-    for a in range(BLOCKS):
-        row_decay = jnp.exp(heads[a])
-        for b in range(a):  # keys of earlier blocks: exp(R_a - G_j) with R_a - G_j <= 0
-            keys = ks[b] * jnp.exp(jnp.minimum(befores[a] - befores[b] - heads[b], 0.0))
-            akk[a][b] = betas[a] * _dot(ks[a] * row_decay, keys.T)
-            aqk[a][b] = _dot(qs[a] * row_decay, keys.T)
-        kk, qk = _diagonal_scores(qs[a], ks[a], heads[a])
-        akk[a][a] = betas[a] * jnp.where(rows > cols, kk, 0.0)
-        aqk[a][a] = qk
-
-    # u = (I + Akk)^-1 beta v and w = (I + Akk)^-1 beta k exp(G), block forward substitution.
-    us, ws = [], []
-    for a in range(BLOCKS):
-        inverse = _unit_lower_inverse(akk[a][a])
-        g_cum = befores[a] + heads[a]
-        rhs_u, rhs_w = betas[a] * vs[a], betas[a] * ks[a] * jnp.exp(g_cum)
-        for b in range(a):
-            rhs_u -= _dot(akk[a][b], us[b])
-            rhs_w -= _dot(akk[a][b], ws[b])
+        # Row a of the block solve of (I + Akk) [u | w] = beta [v | k exp(G)], and row a of Aqk.
+        rhs_u, rhs_w = beta * v, beta * k * jnp.exp(g_cum)
+        for b in range(a):  # earlier keys: exp(R_a - G_j) = exp(R_a - end of block b) * keys[b], both <= 1
+            key = keys[b] * jnp.exp(jnp.minimum(before - ends[b], 0.0))[None, :]
+            akk = beta * _dot(k * row_decay, key.T)
+            rhs_u -= _dot(akk, us[b])
+            rhs_w -= _dot(akk, ws[b])
+            _store_rows(aqk_ref, span, head, valid, _dot(q * row_decay, key.T), pl.ds(b * BLOCK, BLOCK))
+        kk, qk = _diagonal_scores(q, k, head_sum)
+        _store_rows(aqk_ref, span, head, valid, qk, pl.ds(a * BLOCK, BLOCK))
+        for b in range(a + 1, BLOCKS):
+            _store_rows(aqk_ref, span, head, valid, jnp.zeros((BLOCK, BLOCK)), pl.ds(b * BLOCK, BLOCK))
+        inverse = _unit_lower_inverse(beta * jnp.where(rows > cols, kk, 0.0))
         us.append(_dot(inverse, rhs_u))
         ws.append(_dot(inverse, rhs_w))
-        span, valid = spans[a], valids[a]
         _store_rows(u_ref, span, head, valid, us[a])
         _store_rows(w_ref, span, head, valid, ws[a])
-        _store_rows(qg_ref, span, head, valid, qs[a] * jnp.exp(g_cum))
-        _store_rows(kg_ref, span, head, valid, ks[a] * jnp.exp(jnp.minimum(total - g_cum, 0.0)))
-        for b in range(BLOCKS):
-            block = aqk[a][b] if b <= a else jnp.zeros((BLOCK, BLOCK), jnp.float32)
-            _store_rows(aqk_ref, span, head, valid, block, pl.ds(b * BLOCK, BLOCK))
+        _store_rows(qg_ref, span, head, valid, q * jnp.exp(g_cum))
+        _store_rows(kg_ref, span, head, valid, k * jnp.exp(jnp.minimum(total - g_cum, 0.0)))
+
+        keys.append(k * jnp.exp(jnp.minimum(block_sums[a][None, :] - head_sum, 0.0)))  # decayed to the block's end
+        before = before + block_sums[a]
+        ends.append(before)
     decay_ref[chunk, head, :] = jnp.exp(total)
 
 
@@ -206,7 +200,8 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, eve
         grid=(num_chunks, h),
         out_shape=(rows_of(dk), rows_of(dv), rows_of(dk), rows_of(dk), rows_of(CHUNK),
                    jax.ShapeDtypeStruct((num_chunks, h, dk), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        # Eight warps: a program holds about 32K fp32 values (earlier blocks' keys, u and w rows).
+        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret,
         name="kda_chunk_intra",
     )(_as_array(scale), chunks.start, chunks.length, q, k, v, g, beta)
