@@ -4,7 +4,8 @@ Rows arrive sorted by expert with ragged group sizes. XLA turns the group sizes 
 plan (tile -> group, first row, end row), read by the kernels as small int32 arrays (Triton Pallas
 has no scalar prefetch). The grid is static, sized for the worst case; tiles past the real ones
 exit at once, so empty groups cost nothing. Group E of the plan is the padding rows past
-sum(group_sizes): the down kernel writes them as zeros, so no extra pass clears the output.
+sum(group_sizes): the down kernel writes them as zeros, so no extra pass clears the output. A
+tile runs its dot at the smallest power-of-two height (16 or more) that fits its rows.
 
 - gate/up kernel: h = act(x W_gate^T, x W_up^T) in the activation dtype, both accumulators fed by
   one load of the x tile, the activation in fp32 in the epilogue.
@@ -26,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.moe.mxfp4 import GROUP, Mxfp4Tensor
 
 _CONTRACT_LAST = (((1,), (1,)), ((), ()))  # [rows, k] . [n, k] -> [rows, n]
+BLOCK_N = 64  # output columns per program: many programs for the weight-bound decode tiles
 
 
 def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, interpret: bool = False):
@@ -59,9 +61,9 @@ def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, inte
 
 
 def _row_tile(m: int, num_experts: int) -> int:
-    """Rows per tile: the power of two at or above the mean group size, 16..128. Decode (a few
-    rows per expert) gets 16, the smallest tile a tensor-core dot takes; every non-empty group
-    wastes less than one tile."""
+    """The most rows a tile holds: the power of two at or above the mean group size, 16..128.
+    Decode (a few rows per expert) gets 16, the smallest height a tensor-core dot takes, and a
+    kernel with one dot height; each non-empty group wastes less than one tile."""
     mean = -(-m // num_experts)
     return max(16, min(128, pl.next_power_of_2(mean)))
 
@@ -85,9 +87,6 @@ def _tile_plan(group_sizes, m: int, block_m: int):
     first = jnp.where(real, first, 0)
     end = jnp.where(real, jnp.minimum(first + block_m, ends[group]), 0)
     return group, first, end
-
-
-BLOCK_N = 64  # output columns per program: many programs for the weight-bound decode tiles
 
 
 def _block_k(height: int, k: int) -> int:
@@ -132,12 +131,10 @@ def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, block_m, b
     group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
     rows = end - first
-    height = 16
-    while height <= block_m:
-        fits = (rows > height // 2) if height > 16 else (rows > 0)
-        pl.when(fits & (rows <= height) & (group < num_experts))(functools.partial(
+    for height in (16 << i for i in range((block_m // 16).bit_length())):  # 16, 32, ..., block_m
+        fewest = height // 2 + 1 if height > 16 else 1
+        pl.when((rows >= fewest) & (rows <= height) & (group < num_experts))(functools.partial(
             _tile_matmul, x_ref, weights, out_ref, group, first, end, cols, height, activation))
-        height *= 2
     if activation is None:  # the down kernel writes the padding rows (group E) as zeros
         @pl.when((rows > 0) & (group == num_experts))
         def _padding():
@@ -191,9 +188,7 @@ def _decode_mxfp4(packed, scales, dtype):
     """
     n, half = packed.shape
     groups = scales.shape[1]
-    nmant = jnp.finfo(dtype).nmant
-    bits_dtype = jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.uint32
-    scale = jax.lax.bitcast_convert_type((scales.astype(jnp.uint32) << nmant).astype(bits_dtype), dtype)
+    scale = _from_bits(scales.astype(jnp.uint32) << jnp.finfo(dtype).nmant, dtype)
     scale = jnp.broadcast_to(scale[:, :, None], (n, groups, GROUP // 2)).reshape(n, half)  # per byte
     byte = packed.astype(jnp.uint32)
     low, high = (_e2m1(codes, dtype) * scale for codes in (byte & 0xF, byte >> 4))
@@ -207,5 +202,10 @@ def _e2m1(codes, dtype):
     mag = codes & 7  # 2 exponent bits e, 1 mantissa bit m
     # mag >= 2 is 2**(e-1) * (1 + m/2): exponent field e + 126, m the top mantissa bit. mag 1 is 0.5.
     bits = jnp.where(mag >= 2, (mag << (nmant - 1)) + (126 << nmant), jnp.where(mag == 1, 126 << nmant, 0))
-    bits = bits | ((codes & 8) << (width - 4))  # sign
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16 if width == 16 else jnp.uint32), dtype)
+    return _from_bits(bits | ((codes & 8) << (width - 4)), dtype)  # with the sign bit
+
+
+def _from_bits(bits, dtype):
+    """uint32 bit patterns (in the low bits) as values of `dtype`."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.uint32),
+                                        dtype)
