@@ -19,6 +19,7 @@ from k3jax.config import K3Config
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+_BLOCK_BYTES = 16 * 2**20  # rows read at a time when transposing
 _SKIPPED = re.compile(r"(^vision_tower\.|^mm_projector\.|rotary_emb\.)")
 
 
@@ -56,10 +57,13 @@ class HfParams:
                 for r in layout.layer_rules(self.cfg, attn, mlp)}
 
     def _cast(self, rule: layout.Rule, array: np.ndarray) -> np.ndarray:
-        """`array` in the parameter dtype and C order (transposed tensors are laid out once, here)."""
+        """`array` in the parameter dtype and C order (a copy only when one of them changes)."""
+        return np.asarray(array, self._param_dtype(rule, array.dtype), order="C")
+
+    def _param_dtype(self, rule: layout.Rule, stored: np.dtype) -> np.dtype:
         if self.dtype is None or rule.dtype == layout.U8:
-            return np.ascontiguousarray(array)
-        return np.asarray(array, np.float32 if rule.dtype == layout.F32 else _NUMPY_DTYPES[self.dtype], order="C")
+            return stored
+        return np.dtype(np.float32 if rule.dtype == layout.F32 else _NUMPY_DTYPES[self.dtype])
 
     def check_unused(self) -> None:
         """Raises if the checkpoint holds text tensors that no parameter consumed."""
@@ -88,10 +92,12 @@ class HfParams:
                     self._check(rule, expert, rule.shape)
                     self.used.add(expert)
             return stacked
+        if rule.transform == "linear":
+            return self._read_transposed(rule, self._present(name, rule))
         array = self._tensor(rule, self._present(name, rule), None)
-        if rule.transform in ("linear", "vector", "squeeze"):
+        if rule.transform in ("vector", "squeeze"):
             _expect(name, array, rule.shape)
-            return array.T if rule.transform == "linear" else array.reshape(-1) if rule.transform == "squeeze" else array
+            return array.reshape(-1) if rule.transform == "squeeze" else array
         if rule.transform == "conv":  # [P, 1, W] or [P, W] -> [W, P]
             p, _, w = rule.shape
             if array.shape not in ((p, 1, w), (p, w)):
@@ -103,6 +109,20 @@ class HfParams:
                 raise CheckpointError(f"{name} has {array.size} entries, fewer than the {heads} KDA heads")
             return array.reshape(-1)[:heads]
         raise AssertionError(f"unknown transform {rule.transform}")
+
+    def _read_transposed(self, rule: layout.Rule, name: str) -> np.ndarray:
+        """A linear weight stored [out, in] as the kernel [in, out] in the parameter dtype, transposed a
+        block of rows at a time: the LM head alone is as large as a layer, and is never held twice."""
+        stored = self._check(rule, name, rule.shape)
+        rows, cols = rule.shape
+        kernel = np.empty((cols, rows), self._param_dtype(rule, stored))
+        step = max(1, _BLOCK_BYTES // (cols * stored.itemsize))
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            kernel[:, start:stop] = self.reader.read(name, rows=(start, stop)).T
+        self.used.add(name)
+        self.bytes_read += rows * cols * stored.itemsize
+        return kernel
 
     def _present(self, name: str, rule: layout.Rule) -> str:
         """`name`, or the alias under which this checkpoint stores the tensor."""

@@ -9,6 +9,7 @@ against the process and a copy out of the map would double every read.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -78,19 +79,21 @@ class SafetensorsReader:
         entry = self._entry(name)
         return entry.dtype, entry.shape
 
-    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
-        """The tensor `name`. With `out` (its shape, any dtype of the same item size, contiguous) the bytes
-        are read into it unchanged: that is how stacked experts are filled in place and E8M0 scale
-        bytes are read as uint8."""
+    def read(self, name: str, out: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor `name`, or its rows [start, stop) along axis 0. With `out` (that shape, any dtype of
+        the same item size, contiguous) the bytes are read into it unchanged: that is how stacked experts
+        are filled in place and E8M0 scale bytes are read as uint8."""
         entry = self._entry(name)
+        start, stop = rows if rows is not None else (0, entry.shape[0] if entry.shape else 1)
+        shape = entry.shape if rows is None else (stop - start, *entry.shape[1:])
         if out is None:
-            out = np.empty(entry.shape, entry.dtype)
-        elif out.shape != entry.shape or out.dtype.itemsize != entry.dtype.itemsize or not out.flags.c_contiguous:
-            raise CheckpointError(f"{entry.path}: tensor {entry.stored!r} is {entry.dtype} {entry.shape}, "
+            out = np.empty(shape, entry.dtype)
+        elif out.shape != shape or out.dtype.itemsize != entry.dtype.itemsize or not out.flags.c_contiguous:
+            raise CheckpointError(f"{entry.path}: tensor {entry.stored!r} is {entry.dtype} {shape}, "
                                   f"cannot be read into a {out.dtype} {out.shape} buffer")
         buffer = memoryview(out.reshape(-1).view(np.uint8))
         with open(entry.path, "rb", buffering=0) as f:
-            f.seek(entry.offset)
+            f.seek(entry.offset + start * entry.dtype.itemsize * math.prod(entry.shape[1:]))
             done = f.readinto(buffer)
         if done != buffer.nbytes:
             raise CheckpointError(f"{entry.path}: tensor {entry.stored!r} is truncated "
