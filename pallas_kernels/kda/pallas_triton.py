@@ -14,11 +14,13 @@ Chunks come from layout.py: they never span two sequences, ragged ends are maske
 stores, and with snapshots a chunk ends at each snapshot position, whose state is stored then.
 
 Decays are only ever exp of a non-positive number. A chunk is four blocks of BLOCK = 16 rows. For
-rows of block a and keys of an earlier block, the decay exp(G_i - G_j) splits at R, the cumulative
-decay just before block a: exp(G_i - R) (the block's own cumulative sum) times exp(R - G_j), both
-<= 1. Pairs inside one block take exp(G_i - G_j) directly, one key column at a time. The exponents
-are differences of cumulative sums within one chunk, so they carry an absolute error of about
-|G| * 6e-8, |G| the decay summed over the chunk (as in fla).
+rows i of block a and keys j of an earlier block b, the decay exp(G_i - G_j) splits at R_a, the
+cumulative decay just before block a, into exp(G_i - R_a) (block a's own cumulative sum), the
+decay over the blocks between, and exp(end of block b - G_j): each <= 1, so each factor is a
+product with rows or keys, and the scores of a block pair are one tensor-core product. Pairs inside
+one block take exp(G_i - G_j) directly, one key column at a time. The exponents are differences of
+cumulative sums within one chunk, so they carry an absolute error of about |G| * 6e-8, |G| the
+decay summed over the chunk (as in fla).
 
 Products run on tensor cores with fp32 accuracy up to about 2^-16: each fp32 operand is split into
 a bf16 value and a bf16 remainder and three bf16 products are summed in fp32 (BF16_BF16_F32_X3,
@@ -85,7 +87,7 @@ def _diagonal_scores(q, k, head):
 
     def key_column(j, scores):
         kk, qk = scores
-        decay = jnp.exp(jnp.minimum(head - _pick_row(head, j)[None, :], 0.0))  # <= 0 where it is kept
+        decay = jnp.exp(jnp.minimum(head - _pick_row(head, j)[None, :], 0.0))  # the exponent is <= 0 for i >= j
         key = jnp.where(rows >= j, decay * _pick_row(k, j)[None, :], 0.0)
         return (jnp.where(cols == j, jnp.sum(k * key, axis=1)[:, None], kk),
                 jnp.where(cols == j, jnp.sum(q * key, axis=1)[:, None], qk))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import api, chunk_kda, fused_recurrent_kda, pallas_triton
+from pallas_kernels.kda import api, chunk_kda, fused_recurrent_kda, layout, pallas_triton
 from tests.pallas_kernels.gpu_lowering import lower_for_gpu, triton_call_count
 from tests.pallas_kernels.test_kda import assert_close, numpy_kda
 
@@ -157,6 +157,40 @@ def test_batch_snapshots_per_row(fn, impl):
     o_plain, s_plain = fn(*f32(q, k, v, g, beta), output_final_state=True, impl=impl)  # the two-result form
     assert_close(o, o_plain, FP32_REL)
     assert_close(s, s_plain, FP32_REL)
+
+
+@pytest.mark.parametrize("every", [None, 1, 5, 64, 100])
+def test_chunk_layout_tiles_each_sequence(every):
+    """Chunks cover each sequence in order, hold 1..64 tokens, never cross a snapshot position, and
+    the chunk ending at each snapshot position names its row; padded positions follow the chunks."""
+    lengths = [1, 64, 0, 70, 3, 130, 200]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    t, chunk = int(cu[-1]), 64
+    num_chunks = layout.num_chunks_bound(t, len(lengths), chunk, every) + 3  # spare rows stay unused
+    traced = layout.chunk_layout(jnp.asarray(cu), t, chunk, every, num_chunks)
+    positions = np.asarray(layout.padded_positions(jnp.asarray(cu), t, chunk, every, traced))
+    chunks = layout.ChunkLayout(*map(np.asarray, traced))
+    row, used = 0, set()
+    for n, length in enumerate(lengths):
+        first, count = chunks.seq_first[n], chunks.seq_chunks[n]
+        token = cu[n]
+        for c in range(first, first + count):
+            end = chunks.start[c] + chunks.length[c]
+            assert chunks.start[c] == token and 1 <= chunks.length[c] <= chunk and chunks.seq[c] == n
+            assert (chunks.first[c], chunks.last[c]) == (c == first, c == first + count - 1)
+            if every:  # no snapshot position strictly inside the chunk
+                assert (end - cu[n] - 1) // every == (token - cu[n]) // every
+            at_snapshot = every is not None and (end - cu[n]) % every == 0
+            assert chunks.snapshot[c] == (row if at_snapshot else -1)
+            row += at_snapshot
+            np.testing.assert_array_equal(positions[token:end], c * chunk + np.arange(end - token))
+            used.add(c)
+            token = end
+        assert token == cu[n + 1]
+    assert row == (sum(length // every for length in lengths) if every else 0)
+    unused = [c for c in range(num_chunks) if c not in used]
+    assert (chunks.length[unused] == 0).all() and (chunks.snapshot[unused] == -1).all()
+    assert not (chunks.first[unused] | chunks.last[unused]).any()
 
 
 def test_bad_arguments_name_the_argument():
