@@ -168,8 +168,6 @@ def test_bad_arguments_name_the_problem():
         moe_ffn(x, ids, wts, ws[0], ws[0], ws[0], activation=SILU)
     with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\)"):
         expert_ffn(x, jnp.zeros((3,), jnp.int32), *ws, activation=SILU)
-    with pytest.raises(ValueError, match="Pallas MXFP4 grouped-matmul kernel is not available yet"):
-        moe_ffn(x, ids, wts, *ws, activation=SILU, impl="pallas")
     with pytest.raises(ValueError, match="unknown impl 'triton'"):
         moe_ffn(x, ids, wts, *ws, activation=SILU, impl="triton")
     with pytest.raises(ValueError, match="unknown grouped-matmul strategy 'dense'"):
