@@ -20,9 +20,9 @@
   sum_{m < n} (L_m // E) + i, L_m the sequence lengths; rows past the last one are unspecified.
   A position is counted from the sequence's first token (not the initial state), so a resumed
   prefill whose cached prefix is a whole number of pages keeps snapshots on page boundaries.
-- impl: "auto" (Pallas on GPU, the XLA path elsewhere), "xla", "reference" or "pallas" (the
-  Pallas-Triton kernels, pallas_triton.py; off a GPU they run in interpret mode, which is slow and
-  only for tests). Pallas needs K and V powers of 2 of at least 16.
+- impl: "auto" (Pallas on GPU, the XLA path elsewhere or when K or V does not suit Pallas), "xla",
+  "reference" or "pallas" (the Pallas-Triton kernels, pallas_triton.py; off a GPU they run in
+  interpret mode, which is slow and only for tests). Pallas needs K and V powers of 2 of at least 16.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               use_qk_l2norm_in_kernel=False, output_state_every=None, impl="auto"):
     """Chunked parallel form, for prefill. Returns (o [B, T, H, V], final_state [N, H, K, V] or None),
     and the snapshots as a third result when output_state_every is set."""
-    impl = _resolve(impl)
+    impl = _resolve(impl, q, v)
     return _call(_IMPLS[impl][0], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                  use_qk_l2norm_in_kernel, output_state_every)
 
@@ -63,14 +63,15 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                         cu_seqlens=None, use_qk_l2norm_in_kernel=False, output_state_every=None, impl="auto"):
     """Token-by-token form, for decode (T small). Same contract as chunk_kda."""
-    impl = _resolve(impl)
+    impl = _resolve(impl, q, v)
     return _call(_IMPLS[impl][1], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                  use_qk_l2norm_in_kernel, output_state_every)
 
 
-def _resolve(impl):
+def _resolve(impl, q, v):
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        fits = all(_fits_pallas(jnp.shape(x)[-1]) for x in (q, v))
+        return "pallas" if fits and jax.default_backend() == "gpu" else "xla"
     if impl not in _IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'xla', 'reference' or 'pallas'")
     return impl
@@ -128,10 +129,15 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, every, impl):
         raise ValueError(f"output_state_every must be a positive int (a static token count), got {every!r}")
     if impl == "pallas":
         for name, size in (("K", dk), ("V", v.shape[3])):
-            if size < 16 or size & (size - 1):
+            if not _fits_pallas(size):
                 raise ValueError(f"impl='pallas' needs {name} a power of 2 >= 16 (Triton tiles), got q {q.shape}, "
                                  f"v {v.shape}")
     expected = (num_states, h, dk, v.shape[3])
     if initial_state is not None and initial_state.shape != expected:
         raise ValueError(f"initial_state has shape {initial_state.shape}, expected [N, H, K, V] = {expected}")
     return num_states
+
+
+def _fits_pallas(size):
+    """Triton tiles are powers of 2, and tensor-core products take at least 16 in each dimension."""
+    return size >= 16 and size & (size - 1) == 0

@@ -207,7 +207,8 @@ def test_bad_arguments_name_the_argument():
 
 def test_auto_is_xla_off_gpu():
     assert jax.default_backend() != "gpu"  # the CPU test suite
-    assert api._resolve("auto") == "xla"
+    rows = jnp.zeros((1, 1, 1, 128))
+    assert api._resolve("auto", rows, rows) == "xla"
 
 
 # K3 per device: 12 KDA heads of 128 at TP8, chunks of 64, bf16 activations with fp32 gates; 8192
