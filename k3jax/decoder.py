@@ -20,7 +20,7 @@ from k3jax.layers import attn_res
 from k3jax.layers.common import Linear, RMSNorm, param
 from k3jax.layers.ffn import MoE, GatedMLP
 from k3jax.layers.kda import KDACache, KimiDeltaAttention
-from k3jax.layers.mla import MLACache, MultiHeadLatentAttention
+from k3jax.layers.mla import MLACache, MLAPages, MultiHeadLatentAttention
 
 MAX_PATTERN = 8  # the longest repeating unit searched for
 
@@ -71,11 +71,14 @@ def _merge_singletons(segments: list[Segment]) -> tuple[Segment, ...]:
 
 
 class Batch(NamedTuple):
-    """Per-call metadata: which of the T new tokens are real, and where each sequence starts."""
+    """Per-call metadata: which of the T new tokens are real, and where each sequence starts. With
+    the serving engine's pooled caches (`PagedState`), also where each sequence's caches live."""
 
     valid: jax.Array  # [B, T] bool; right padding is False
     lengths: jax.Array  # [B] int32: real new tokens per sequence
     offsets: jax.Array  # [B] int32: tokens already in the cache
+    slots: jax.Array | None = None  # [B] int32: KDA state slot of each row (0: the null slot, padding rows)
+    page_table: jax.Array | None = None  # [B, max_pages] int32: MLA pages of each row (0: the null page)
 
 
 class DecodeState(NamedTuple):
@@ -83,6 +86,16 @@ class DecodeState(NamedTuple):
 
     layers: tuple  # per segment: tuple over pattern positions of KDACache | MLACache
     lengths: jax.Array  # [B] int32
+
+
+class PagedState(NamedTuple):
+    """The serving engine's cache pools, grouped like the segments, and where this call's rows live:
+    KDA states in slots (`KDACache` with a leading slot axis), MLA rows in pages (`MLAPages`)."""
+
+    layers: tuple  # per segment: tuple over pattern positions of KDACache (pools) | MLAPages
+    offsets: jax.Array  # [B] int32: tokens of each row already in the cache
+    slots: jax.Array  # [B] int32
+    page_table: jax.Array  # [B, max_pages] int32
 
 
 class DecoderLayer(nnx.Module):
@@ -112,10 +125,7 @@ class DecoderLayer(nnx.Module):
             x = self.input_layernorm(mix, dtype)
         else:
             x = self.input_layernorm(stream)
-        if isinstance(self.self_attn, KimiDeltaAttention):
-            a, cache = self.self_attn(x, cache, batch.valid, batch.lengths)
-        else:
-            a, cache = self.self_attn(x, cache, batch.offsets)
+        a, cache = self.self_attn(x, cache, batch)
         if cfg.attn_res:
             stream, mix = attn_res.ffn_read(stream, a, layer_index, cfg.attn_res_block_size, self.mlp_res,
                                             cfg.rms_norm_eps)
@@ -167,13 +177,19 @@ class K3Transformer(nnx.Module):
     def dtype(self):
         return self.embed_tokens.dtype
 
-    def __call__(self, tokens, lengths=None, cache: DecodeState | None = None):
-        """tokens [B, T] (right-padded), lengths [B] real tokens (default T) -> (logits f32 [B, T, V], cache)."""
+    def __call__(self, tokens, lengths=None, cache: DecodeState | PagedState | None = None, *, last_only=False):
+        """tokens [B, T] (right-padded), lengths [B] real tokens (default T) -> (logits f32 [B, T, V], cache).
+
+        `last_only`: logits of each row's last real token only, [B, V] (what a serving step samples from).
+        """
         cfg = self.cfg
         b, t = tokens.shape
         lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        offsets = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
-        batch = Batch(jnp.arange(t)[None, :] < lengths[:, None], lengths, offsets)
+        valid = jnp.arange(t)[None, :] < lengths[:, None]
+        if isinstance(cache, PagedState):
+            batch = Batch(valid, lengths, cache.offsets, cache.slots, cache.page_table)
+        else:
+            batch = Batch(valid, lengths, cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32))
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
         stream = attn_res.start_stream(x, cfg.num_attn_res_blocks) if cfg.attn_res else x
         new_layers = []
@@ -184,6 +200,8 @@ class K3Transformer(nnx.Module):
             h = attn_res.final_read(stream, self.output_attn_res, cfg.rms_norm_eps).astype(x.dtype)
         else:
             h = stream
+        if last_only:
+            h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
         h = self.norm(h)
         if cfg.tie_word_embeddings:
             logits = jnp.dot(h, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
@@ -191,7 +209,9 @@ class K3Transformer(nnx.Module):
             logits = self.lm_head(h, jnp.float32)
         if cfg.logit_scale != 1.0:
             logits = logits * cfg.logit_scale
-        new_cache = DecodeState(tuple(new_layers), offsets + lengths) if cache is not None else None
+        if isinstance(cache, PagedState):
+            return logits, cache._replace(layers=tuple(new_layers))
+        new_cache = DecodeState(tuple(new_layers), batch.offsets + lengths) if cache is not None else None
         return logits, new_cache
 
 
@@ -226,3 +246,17 @@ def init_cache(cfg: K3Config, batch: int, max_len: int, dtype) -> DecodeState:
             caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (seg.repeats, *a.shape)), one))
         layers.append(tuple(caches))
     return DecodeState(tuple(layers), jnp.zeros((batch,), jnp.int32))
+
+
+def init_pools(cfg: K3Config, *, num_slots: int, num_pages: int, page_size: int, dtype, kv_cache_dtype=None) -> tuple:
+    """Empty cache pools for `PagedState.layers`: `num_slots` KDA state slots and `num_pages` MLA pages
+    of `page_size` tokens per layer (slot 0 and page 0 are the null slot and page)."""
+    layers = []
+    for seg in plan_segments(cfg):
+        caches = []
+        for attn, _ in seg.kinds:
+            one = (KDACache.zeros(cfg, num_slots, dtype) if attn == KDA
+                   else MLAPages.zeros(cfg, num_pages, page_size, kv_cache_dtype or dtype))
+            caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (seg.repeats, *a.shape)), one))
+        layers.append(tuple(caches))
+    return tuple(layers)

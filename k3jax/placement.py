@@ -15,7 +15,7 @@ from k3jax.layers.mla import MLACache
 from sharding.axes import named_sharding
 
 CACHE_AXES = {
-    KDACache: KDACache(conv=("layers", "batch", "conv_tap", "cache_channels"),
+    KDACache: KDACache(conv=("layers", "batch", "conv_tap", "qkv", "cache_channels"),
                        state=("layers", "batch", "cache_heads", "head_dim", "head_dim")),
     MLACache: MLACache(latent=("layers", "batch", "sequence", "cache_width")),
 }

@@ -25,7 +25,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "kv_lora": (),
     "kv_latent": (),
     "mlp": ("model",),  # dense MLP and shared experts
-    "latent": (),
+    "latent": ("model",),  # LatentMoE down/up projections: 92 x 2 x 7168 x 3584 would be 9.4 GB replicated
     "experts": ("data", "model"),  # routed experts: expert parallel over every device
     "experts_replicated": (),  # the router scores every expert on every device
     "expert_mlp": (),
@@ -35,7 +35,8 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     # caches and activations
     "batch": ("data",),
     "cache_heads": ("model",),  # KDA recurrent state by head
-    "cache_channels": (),  # KDA conv window ([q|k|v] channels; 3 rows, kept whole)
+    "qkv": (),  # KDA conv window: which of q, k, v
+    "cache_channels": ("model",),  # KDA conv window: head-major channels, split like the heads
     "head_dim": (),
     "sequence": (),
     "cache_width": (),  # MLA latent + shared key, shared by all heads

@@ -14,15 +14,19 @@ from pallas_kernels import kda as kda_ops
 
 
 class KDACache(NamedTuple):
-    """Per-sequence KDA state: the last conv_size-1 pre-conv q|k|v rows and the fp32 recurrent state."""
+    """Per-sequence KDA state: the last conv_size-1 pre-conv q, k, v rows and the fp32 recurrent state.
 
-    conv: jax.Array  # [B, conv_size - 1, 3 * P], activation dtype
+    The conv window keeps q, k and v on their own axis so that its head-major channel axis P splits
+    over tensor-parallel devices like the heads do (a flat q|k|v axis would not).
+    """
+
+    conv: jax.Array  # [B, conv_size - 1, 3 (q, k, v), P], activation dtype
     state: jax.Array  # [B, heads, head_dim (K), head_dim (V)], float32
 
     @staticmethod
     def zeros(cfg: K3Config, batch: int, dtype) -> "KDACache":
         p, d = cfg.kda_projection_size, cfg.kda_head_dim
-        return KDACache(jnp.zeros((batch, cfg.kda_conv_size - 1, 3 * p), dtype),
+        return KDACache(jnp.zeros((batch, cfg.kda_conv_size - 1, 3, p), dtype),
                         jnp.zeros((batch, cfg.kda_num_heads, d, d), jnp.float32))
 
 
@@ -53,20 +57,31 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = param(None, (d,), ("norm",), jnp.float32, init="ones")
         self.o_proj = Linear(p, h, ("kda_heads", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cache: KDACache | None, valid, lengths):
-        """x [B, T, H]; valid [B, T] marks real tokens (right padding is False); lengths [B] = valid count.
+    def __call__(self, x, cache: KDACache | None, batch):
+        """x [B, T, H]; batch: a `decoder.Batch` (valid tokens, lengths, and the slots of pooled caches).
 
-        Returns (out [B, T, H], new cache or None). Padded tokens leave the state untouched.
+        Returns (out [B, T, H], new cache or None). Padded tokens leave the state untouched. With
+        `batch.slots`, `cache` is the slot pool: each row reads its slot (zeros when it starts a new
+        sequence) and writes it back; padding rows use the null slot 0.
         """
+        if batch.slots is None:
+            return self._forward(x, cache, batch.valid, batch.lengths)
+        fresh = batch.offsets == 0
+        rows = jax.tree.map(lambda pool: jnp.where(fresh.reshape(-1, *(1,) * (pool.ndim - 1)), 0,
+                                                   pool[batch.slots]).astype(pool.dtype), cache)
+        out, rows = self._forward(x, rows, batch.valid, batch.lengths)
+        return out, jax.tree.map(lambda pool, r: pool.at[batch.slots].set(r), cache, rows)
+
+    def _forward(self, x, cache: KDACache | None, valid, lengths):
         cfg = self.cfg
         b, t, _ = x.shape
         heads, d = cfg.kda_num_heads, cfg.kda_head_dim
-        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
-        prev = cache.conv if cache is not None else jnp.zeros((b, cfg.kda_conv_size - 1, qkv.shape[-1]), x.dtype)
-        window = jnp.concatenate([prev.astype(x.dtype), qkv], axis=1)  # [B, W-1+T, 3P]
-        weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+        qkv = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)  # [B, T, 3, P]
+        prev = cache.conv if cache is not None else jnp.zeros((b, cfg.kda_conv_size - 1, *qkv.shape[2:]), x.dtype)
+        window = jnp.concatenate([prev.astype(x.dtype), qkv], axis=1)  # [B, W-1+T, 3, P]
+        weight = jnp.stack([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=1)  # [W, 3, P]
         qkv = _causal_conv_silu(window, weight, t).astype(x.dtype)
-        q, k, v = (a.reshape(b, t, heads, d) for a in jnp.split(qkv, 3, axis=-1))
+        q, k, v = (qkv[:, :, i].reshape(b, t, heads, d) for i in range(3))
 
         g = self._log_decay(x)
         beta = jax.nn.sigmoid(self.b_proj(x, jnp.float32))
@@ -85,7 +100,7 @@ class KimiDeltaAttention(nnx.Module):
             return out, None
         # The next call's conv window: the conv_size-1 rows ending at each sequence's last real token.
         rows = lengths[:, None] + jnp.arange(cfg.kda_conv_size - 1)[None, :]
-        conv = jnp.take_along_axis(window, rows[:, :, None], axis=1)
+        conv = jnp.take_along_axis(window, rows[:, :, None, None], axis=1)
         return out, KDACache(conv.astype(cache.conv.dtype), state)
 
     def _log_decay(self, x):
@@ -104,7 +119,7 @@ class KimiDeltaAttention(nnx.Module):
 def _causal_conv_silu(window, weight, t: int):
     """Depthwise causal conv + SiLU in fp32: out[t] = silu(sum_j weight[j] * window[t + j]).
 
-    window [B, W-1+T, C] (the previous W-1 inputs, then the T new ones); weight [W, C], the last tap
+    window [B, W-1+T, *C] (the previous W-1 inputs, then the T new ones); weight [W, *C], the last tap
     multiplying the current token.
     """
     w = weight.shape[0]

@@ -27,6 +27,32 @@ class MLACache(NamedTuple):
         return MLACache(jnp.zeros((batch, max_len, cfg.mla_cache_width), dtype))
 
 
+class MLAPages(NamedTuple):
+    """The serving engine's page pool of one MLA layer: rows of [normalised latent | shared key].
+
+    Stored in bf16 (scale 1) or fp8 E4M3, where a stored value times `scale` is the true value. Page 0
+    is the null page: padding tokens write there and nothing reads it as data.
+    """
+
+    pages: jax.Array  # [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]
+    scale: jax.Array  # float32 scalar
+
+    @staticmethod
+    def zeros(cfg: K3Config, num_pages: int, page_size: int, dtype, scale: float = 1.0) -> "MLAPages":
+        return MLAPages(jnp.zeros((num_pages, page_size, cfg.mla_cache_width), dtype), jnp.float32(scale))
+
+    def write(self, page_ids, rows_in_page, values) -> "MLAPages":
+        """Stores values [B, T, C] at (page_ids, rows_in_page) [B, T]."""
+        stored = (values.astype(jnp.float32) / self.scale).astype(self.pages.dtype)
+        return self._replace(pages=self.pages.at[page_ids, rows_in_page].set(stored))
+
+    def gather(self, page_table, dtype):
+        """Each row's pages as one contiguous cache [B, max_pages * page_size, C] in `dtype`."""
+        b, n = page_table.shape
+        rows = self.pages[page_table].reshape(b, n * self.pages.shape[1], self.pages.shape[2])
+        return (rows.astype(jnp.float32) * self.scale).astype(dtype)
+
+
 class MultiHeadLatentAttention(nnx.Module):
     def __init__(self, cfg: K3Config, *, dtype, rngs):
         h, heads = cfg.hidden_size, cfg.num_attention_heads
@@ -46,14 +72,17 @@ class MultiHeadLatentAttention(nnx.Module):
             self.g_proj = Linear(h, heads * cfg.v_head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.o_proj = Linear(heads * cfg.v_head_dim, h, ("heads", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cache: MLACache | None, offsets):
+    def __call__(self, x, cache: MLACache | MLAPages | None, batch):
         """x [B, T, H] holds positions offsets[b] + t; the cache (if any) holds the offsets[b] before.
+        batch: a `decoder.Batch` (offsets, valid tokens, and the page table of pooled caches).
 
-        Returns (out [B, T, H], new cache or None). Right padding needs no mask: padded positions sit
-        after every real one, so causality hides them; their cache rows are overwritten later.
+        Returns (out [B, T, H], new cache or None). Right padding needs no mask in attention: padded
+        positions sit after every real one, so causality hides them. In a contiguous cache their rows
+        are overwritten later; in pages they go to the null page, since a page may be shared.
         """
         cfg = self.cfg
         b, t, _ = x.shape
+        offsets = batch.offsets
         heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
         q = q.reshape(b, t, heads, cfg.qk_head_dim)
@@ -61,8 +90,8 @@ class MultiHeadLatentAttention(nnx.Module):
         latent, k_rope = kv[..., :cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
         latent = self.kv_a_layernorm(latent)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
+        positions = offsets[:, None] + jnp.arange(t)[None, :]
         if not cfg.mla_use_nope:
-            positions = offsets[:, None] + jnp.arange(t)[None, :]
             q_rope = rope_interleaved(q_rope, positions[:, :, None], cfg.rope_theta)
             k_rope = rope_interleaved(k_rope, positions, cfg.rope_theta)
         new_rows = jnp.concatenate([latent, k_rope], axis=-1)  # [B, T, C]
@@ -71,9 +100,15 @@ class MultiHeadLatentAttention(nnx.Module):
         if cache is None:
             o = self._naive(q_nope, q_rope, new_rows, jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32), scale)
         else:
-            rows = cache.latent.at[jnp.arange(b)[:, None], offsets[:, None] + jnp.arange(t)[None, :]].set(
-                new_rows.astype(cache.latent.dtype), mode="drop")
-            cache = MLACache(rows)
+            if isinstance(cache, MLAPages):
+                page_size, max_pages = cache.pages.shape[1], batch.page_table.shape[1]
+                page_ids = jnp.take_along_axis(batch.page_table, jnp.minimum(positions // page_size, max_pages - 1), 1)
+                cache = cache.write(jnp.where(batch.valid, page_ids, 0), positions % page_size, new_rows)
+                rows = cache.gather(batch.page_table, x.dtype)
+            else:
+                rows = cache.latent.at[jnp.arange(b)[:, None], positions].set(new_rows.astype(cache.latent.dtype),
+                                                                              mode="drop")
+                cache = MLACache(rows)
             if t == 1:
                 o = self._absorbed(q_nope[:, 0], q_rope[:, 0], rows, offsets + 1, scale)[:, None]
             else:

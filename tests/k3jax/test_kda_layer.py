@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.decoder import Batch
 from k3jax.layers.kda import KDACache, KimiDeltaAttention
 from tests.k3jax.tiny_configs import k3_tiny, kimi_linear_tiny
 
@@ -56,13 +57,13 @@ def test_layer_matches_numpy_and_carries_state(make_cfg):
     ref_next, _, _ = np_kda_layer(layer, cfg, x[0, 66:], conv, state)
     with jax.default_matmul_precision("highest"):
         cache = KDACache.zeros(cfg, 1, jnp.float32)
-        ones = lambda n: (jnp.ones((1, n), bool), jnp.full((1,), n, jnp.int32))  # noqa: E731
-        first, cache = layer(jnp.asarray(x[:, :66], jnp.float32), cache, *ones(66))
-        np.testing.assert_allclose(cache.conv[0], conv, rtol=1e-5, atol=1e-6)
+        ones = lambda n: Batch(jnp.ones((1, n), bool), jnp.full((1,), n, jnp.int32), jnp.zeros((1,), jnp.int32))  # noqa: E731
+        first, cache = layer(jnp.asarray(x[:, :66], jnp.float32), cache, ones(66))
+        np.testing.assert_allclose(cache.conv[0].reshape(conv.shape), conv, rtol=1e-5, atol=1e-6)  # [W-1, 3, P]
         np.testing.assert_allclose(cache.state[0], state, rtol=1e-4, atol=1e-5)
         outs = []
         for t in range(66, 70):
-            o, cache = layer(jnp.asarray(x[:, t:t + 1], jnp.float32), cache, *ones(1))
+            o, cache = layer(jnp.asarray(x[:, t:t + 1], jnp.float32), cache, ones(1))
             outs.append(o)
     # fp32 over 66 recurrent steps: 1e-4 relative, 5e-5 absolute for outputs near zero
     np.testing.assert_allclose(first[0], ref_first, rtol=1e-4, atol=5e-5)

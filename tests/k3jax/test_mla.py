@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.layers.mla import MLACache, MultiHeadLatentAttention, rope_interleaved
+from k3jax.decoder import Batch
+from k3jax.layers.mla import MLACache, MLAPages, MultiHeadLatentAttention, rope_interleaved
 from pallas_kernels import mla as mla_ops
 from pallas_kernels.mla import reference, xla
 
@@ -45,7 +46,7 @@ def test_prefill_matches_numpy():
     cfg, layer = _layer()
     x = np.random.default_rng(0).standard_normal((2, 9, cfg.hidden_size)).astype(np.float32)
     with jax.default_matmul_precision("highest"):
-        out, _ = layer(jnp.asarray(x), None, jnp.zeros((2,), jnp.int32))
+        out, _ = layer(jnp.asarray(x), None, _batch(2, 9, 0))
     for b in range(2):
         np.testing.assert_allclose(out[b], np_mla(layer, cfg, x[b].astype(np.float64)), rtol=RTOL, atol=1e-5)
 
@@ -55,14 +56,46 @@ def test_decode_absorbed_equals_prefill_naive(use_nope):
     cfg, layer = _layer(mla_use_nope=use_nope)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 7, cfg.hidden_size)), jnp.float32)
     with jax.default_matmul_precision("highest"):
-        full, _ = layer(x, MLACache.zeros(cfg, 2, 16, jnp.float32), jnp.zeros((2,), jnp.int32))
+        full, _ = layer(x, MLACache.zeros(cfg, 2, 16, jnp.float32), _batch(2, 7, 0))
         cache = MLACache.zeros(cfg, 2, 16, jnp.float32)
-        part, cache = layer(x[:, :4], cache, jnp.zeros((2,), jnp.int32))  # naive over the cache
+        part, cache = layer(x[:, :4], cache, _batch(2, 4, 0))  # naive over the cache
         steps = [part]
         for t in range(4, 7):  # absorbed, one token at a time
-            o, cache = layer(x[:, t:t + 1], cache, jnp.full((2,), t, jnp.int32))
+            o, cache = layer(x[:, t:t + 1], cache, _batch(2, 1, t))
             steps.append(o)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=RTOL, atol=1e-5)
+
+
+def _batch(b, t, offset, page_table=None):
+    return Batch(jnp.ones((b, t), bool), jnp.full((b,), t, jnp.int32), jnp.full((b,), offset, jnp.int32),
+                 page_table=page_table)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.float8_e4m3fn, 0.1)])
+def test_pages_equal_a_contiguous_cache(dtype, tol):
+    """Chunks and decode steps through a page pool (pages out of order, page size 4, padding in a
+    chunk) give the contiguous cache's outputs; fp8 pages within E4M3's 3-bit mantissa (2**-4 per value,
+    averaged over the keys)."""
+    cfg, layer = _layer()
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 11, cfg.hidden_size)), jnp.float32)
+    table = jnp.asarray([[5, 2, 7, 0], [1, 6, 3, 4]], jnp.int32)  # page 0 of row 0 unused: the null page
+    table = table.at[0, 3].set(8)
+    with jax.default_matmul_precision("highest"):
+        want, _ = layer(x, MLACache.zeros(cfg, 2, 16, jnp.float32), _batch(2, 11, 0))
+        pages = MLAPages.zeros(cfg, 9, 4, dtype)
+        # first chunk: 6 real tokens in a chunk of 8 (2 padding)
+        padded = jnp.concatenate([x[:, :6], x[:, 9:]], axis=1)  # padding: any values
+        chunk = Batch(jnp.arange(8)[None] < 6, jnp.full((2,), 6, jnp.int32), jnp.zeros((2,), jnp.int32),
+                      page_table=table)
+        first, pages = layer(padded, pages, chunk)
+        # the padding (positions 6, 7: rows 2, 3 of each row's second page) went to the null page
+        stored = np.asarray(pages.pages.astype(jnp.float32))
+        assert not stored[np.asarray(table[:, 1])][:, 2:].any() and stored[0, 2:].any()
+        outs = [first[:, :6]]
+        for t in range(6, 11):
+            o, pages = layer(x[:, t:t + 1], pages, _batch(2, 1, t, table))
+            outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_rope_rotates_adjacent_pairs():
