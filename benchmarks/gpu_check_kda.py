@@ -12,9 +12,11 @@ timed: median of REPEATS runs after a warm-up, the two paths interleaved.
 FLOPs of the chunked form are those the kernels do, per chunk of C = 64 tokens and head, counting
 a multiply-add as 2 and nothing for exps, masks or the in-block forward substitution:
   scores Akk and Aqk on the 10 lower 16 x 16 blocks:   2 * 10 * 2 * 16 * 16 * K
-  the block solve for u and w:                        10 * 2 * 16 * 16 * (K + V)
-  state passing (w S, (q e^G) S, k^T v') and Aqk v':   6 * C * K * V + 2 * C * C * V
-156K per token and head at K = V = 128. The issue's target is fla's Triton chunk_kda throughput on
+  the 16 x 16 tiles of (I + Akk)^-1:                   16 * 2 * 16 * 16 * 16
+  u and w from those tiles:                           10 * 2 * 16 * 16 * (K + V)
+  state passing (w S, (q e^G) S, k^T v'):             6 * C * K * V
+  Aqk v' on the 10 lower blocks:                      10 * 2 * 16 * 16 * V
+about 152K per token and head at K = V = 128. The issue's target is fla's Triton chunk_kda throughput on
 the same shapes; fla is not on the GPU machine, so compare its TFLOP/s (measured elsewhere with this
 FLOP count) by hand. Decode is memory bound: its TB/s counts reading and writing each fp32 state.
 """
@@ -48,8 +50,8 @@ def inputs(batch: int, t: int, seed: int = 0):
 
 
 def chunk_flops(t: int) -> float:
-    per_chunk = (2 * 10 * 2 * 16 * 16 * DIM + 10 * 2 * 16 * 16 * 2 * DIM
-                 + 6 * CHUNK * DIM * DIM + 2 * CHUNK * CHUNK * DIM)
+    per_chunk = (2 * 10 * 2 * 16 * 16 * DIM + 16 * 2 * 16 ** 3 + 10 * 2 * 16 * 16 * 2 * DIM
+                 + 6 * CHUNK * DIM * DIM + 10 * 2 * 16 * 16 * DIM)
     return float(per_chunk * -(-t // CHUNK) * HEADS)
 
 

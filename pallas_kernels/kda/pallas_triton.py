@@ -110,54 +110,76 @@ def _unit_lower_inverse(a):
 
 def _intra_kernel(scale_ref, start_ref, length_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                   w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref, *, l2norm):
-    """One chunk and head, block by block: block a needs only its own rows and, of the earlier
-    blocks, their keys decayed to the block's end and their rows of u and w."""
+    """One chunk and head, in two passes over its blocks:
+    1. the scores, q exp(G), k exp(G_last - G), and the [BLOCK, BLOCK] tiles of X = (I + Akk)^-1;
+    2. u = X beta v and w = X beta k exp(G).
+    Earlier blocks' inputs are loaded again where needed (from L1 or L2) rather than held, which
+    would spill registers (ptxas for sm_90a)."""
     chunk, head = pl.program_id(0), pl.program_id(1)
     start, length, scale = start_ref[chunk], length_ref[chunk], scale_ref[0]
-    spans = [pl.ds(start + a * BLOCK, BLOCK) for a in range(BLOCKS)]
-    valids = [a * BLOCK + jnp.arange(BLOCK) < length for a in range(BLOCKS)]
-    # The log decay of each block, summed in the same order here as for R_a below, so that
-    # G_last - G_i is not pushed above 0 by a different rounding.
-    block_sums = [jnp.sum(_load_rows(g_ref, span, head, valid), axis=0) for span, valid in zip(spans, valids)]
-    total = functools.reduce(jnp.add, block_sums)  # G_last
-    rows, cols = jnp.arange(BLOCK)[:, None], jnp.arange(BLOCK)[None, :]
-    before = jnp.zeros_like(total)  # R_a: the log decay summed over the earlier blocks
-    keys, ends, us, ws = [], [], [], []  # per earlier block
+
+    def rows_of(a):
+        return pl.ds(start + a * BLOCK, BLOCK), a * BLOCK + jnp.arange(BLOCK) < length
+
+    def load(ref, a):
+        span, valid = rows_of(a)
+        return _load_rows(ref, span, head, valid)
+
+    def store(ref, a, value, columns=slice(None)):
+        span, valid = rows_of(a)
+        _store_rows(ref, span, head, valid, value, columns)
+
+    def load_beta(a):
+        span, valid = rows_of(a)
+        return plgpu.load(beta_ref.at[span, head], mask=valid, other=0).astype(jnp.float32)
+
+    def keys_of(a):
+        """Block a's keys, normalised if asked, and its in-block cumulative log decay G_i - R_a <= 0."""
+        k = load(k_ref, a)
+        return _l2_normalize(k) if l2norm else k, jnp.cumsum(load(g_ref, a), axis=0)
+
+    # befores[a] = R_a, the log decay summed over the blocks before a; befores[-1] = G_last. One
+    # order of summation for all of them, so that no difference of two is pushed above 0 by rounding.
+    befores = [jnp.zeros((g_ref.shape[-1],), jnp.float32)]
     for a in range(BLOCKS):
-        span, valid = spans[a], valids[a]
-        q, k, v, g = (_load_rows(ref, span, head, valid) for ref in (q_ref, k_ref, v_ref, g_ref))
-        beta = plgpu.load(beta_ref.at[span, head], mask=valid, other=0).astype(jnp.float32)[:, None]
-        if l2norm:
-            q, k = _l2_normalize(q), _l2_normalize(k)
-        q = q * scale
-        head_sum = jnp.cumsum(g, axis=0)  # G_i - R_a <= 0
-        g_cum = before + head_sum  # G_i
+        befores.append(befores[-1] + jnp.sum(load(g_ref, a), axis=0))
+    rows, cols = jnp.arange(BLOCK)[:, None], jnp.arange(BLOCK)[None, :]
+
+    akk, inverse = {}, {}
+    for a in range(BLOCKS):
+        k, head_sum = keys_of(a)
+        q = load(q_ref, a)
+        q = scale * (_l2_normalize(q) if l2norm else q)
+        beta = load_beta(a)[:, None]
+        g_cum = befores[a] + head_sum  # G_i
         row_decay = jnp.exp(head_sum)
-
-        # Row a of the block solve of (I + Akk) [u | w] = beta [v | k exp(G)], and row a of Aqk.
-        rhs_u, rhs_w = beta * v, beta * k * jnp.exp(g_cum)
-        for b in range(a):  # earlier keys: exp(R_a - G_j) = exp(R_a - end of block b) * keys[b], both <= 1
-            key = keys[b] * jnp.exp(jnp.minimum(before - ends[b], 0.0))[None, :]
-            akk = beta * _dot(k * row_decay, key.T)
-            rhs_u -= _dot(akk, us[b])
-            rhs_w -= _dot(akk, ws[b])
-            _store_rows(aqk_ref, span, head, valid, _dot(q * row_decay, key.T), pl.ds(b * BLOCK, BLOCK))
+        for b in range(a):  # earlier keys, reloaded, decayed by exp(R_a - G_j) <= 1
+            key, key_head_sum = keys_of(b)
+            key = key * jnp.exp(jnp.minimum(befores[a] - befores[b] - key_head_sum, 0.0))
+            akk[a, b] = beta * _dot(k * row_decay, key.T)
+            store(aqk_ref, a, _dot(q * row_decay, key.T), pl.ds(b * BLOCK, BLOCK))
         kk, qk = _diagonal_scores(q, k, head_sum)
-        _store_rows(aqk_ref, span, head, valid, qk, pl.ds(a * BLOCK, BLOCK))
+        store(aqk_ref, a, qk, pl.ds(a * BLOCK, BLOCK))
         for b in range(a + 1, BLOCKS):
-            _store_rows(aqk_ref, span, head, valid, jnp.zeros((BLOCK, BLOCK)), pl.ds(b * BLOCK, BLOCK))
-        inverse = _unit_lower_inverse(beta * jnp.where(rows > cols, kk, 0.0))
-        us.append(_dot(inverse, rhs_u))
-        ws.append(_dot(inverse, rhs_w))
-        _store_rows(u_ref, span, head, valid, us[a])
-        _store_rows(w_ref, span, head, valid, ws[a])
-        _store_rows(qg_ref, span, head, valid, q * jnp.exp(g_cum))
-        _store_rows(kg_ref, span, head, valid, k * jnp.exp(jnp.minimum(total - g_cum, 0.0)))
+            store(aqk_ref, a, jnp.zeros((BLOCK, BLOCK)), pl.ds(b * BLOCK, BLOCK))
+        store(qg_ref, a, q * jnp.exp(g_cum))
+        store(kg_ref, a, k * jnp.exp(jnp.minimum(befores[-1] - g_cum, 0.0)))
+        # Row a of X by block forward substitution: X_ab = -X_aa sum_{b <= c < a} Akk_ac X_cb.
+        inverse[a, a] = _unit_lower_inverse(beta * jnp.where(rows > cols, kk, 0.0))
+        for b in range(a):
+            inner = functools.reduce(jnp.add, [_dot(akk[a, c], inverse[c, b]) for c in range(b, a)])
+            inverse[a, b] = -_dot(inverse[a, a], inner)
 
-        keys.append(k * jnp.exp(jnp.minimum(block_sums[a][None, :] - head_sum, 0.0)))  # decayed to the block's end
-        before = before + block_sums[a]
-        ends.append(before)
-    decay_ref[chunk, head, :] = jnp.exp(total)
+    for a in range(BLOCKS):
+        u = w = None
+        for b in range(a + 1):
+            k, head_sum = keys_of(b)
+            x_beta = inverse[a, b] * load_beta(b)[None, :]
+            u_part, w_part = _dot(x_beta, load(v_ref, b)), _dot(x_beta, k * jnp.exp(befores[b] + head_sum))
+            u, w = (u_part, w_part) if u is None else (u + u_part, w + w_part)
+        store(u_ref, a, u)
+        store(w_ref, a, w)
+    decay_ref[chunk, head, :] = jnp.exp(befores[-1])
 
 
 def _state_kernel(start_ref, length_ref, snapshot_ref, seq_first_ref, seq_chunks_ref, w_ref, u_ref, qg_ref,
