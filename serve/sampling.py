@@ -1,0 +1,285 @@
+"""Token sampling: per-request parameters on the host, one jitted sampler for a whole batch.
+
+`SamplingParams` is what a request asks for (vLLM's names, defaults and ranges). The engine turns
+the params of the rows of a batch bucket into a `SamplingBatch` of per-row arrays, so changing a
+row's parameters changes array values, never shapes, and `sample` compiles once per (bucket, vocab).
+
+Semantics follow vLLM V1, in its order:
+  1. rows that have generated fewer than `min_tokens` tokens may not pick EOS or a stop token id;
+  2. penalties: repetition over prompt and output tokens (positive logits divided, the others
+     multiplied), then frequency (times the count) and presence over output tokens;
+  3. greedy rows (temperature 0) take the argmax of the penalised logits;
+  4. the other rows: temperature, then min-p, top-k and top-p, each on the distribution the previous
+     filters left (min-p before top-p matters: it renormalises the mass that top-p cuts), then one
+     Gumbel-max draw.
+Logprobs are vLLM's default "raw" logprobs: log-softmax of the model's logits, before bans,
+penalties, temperature and filters.
+
+Randomness: a row's key is derived from (request seed, number of tokens generated so far), or for
+a request without a seed from (engine seed, request id, tokens generated so far). A request's
+tokens therefore do not depend on its row, its batch neighbours or the bucket size, and a request
+recomputed after preemption draws the same tokens again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_LOGPROBS = 20
+# Temperatures below this are greedy, as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
+# Banned-id columns of a SamplingBatch: a power of two, at least this, so that the width (a shape)
+# only changes when some row in its min_tokens phase has more EOS + stop ids than that.
+MIN_BANNED_WIDTH = 8
+# Index padding the banned-id rows: out of bounds for any vocabulary, so the scatter drops it.
+_NO_TOKEN = np.iinfo(np.int32).max
+_UINT64_MASK = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """A request's sampling parameters (vLLM's names and defaults).
+
+    temperature 0 is greedy. top_k 0 and -1 both mean no top-k. stop and stop_token_ids are stored
+    as tuples (a single stop string becomes a 1-tuple, None an empty tuple). max_tokens None means
+    up to the context limit. logprobs: None for none, n for the chosen token plus n alternatives.
+    ignore_eos only tells the engine not to stop on EOS; min_tokens still bans EOS as in vLLM.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        stop = self.stop
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_real(v):
+            return is_int(v) or isinstance(v, float)
+
+        checks = (
+            ("n", is_int(self.n) and self.n >= 1, "an integer >= 1"),
+            ("temperature", is_real(self.temperature) and 0 <= self.temperature < math.inf,
+             "a finite number >= 0"),
+            ("top_p", is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", is_int(self.top_k) and self.top_k >= -1, "-1 or 0 (off) or an integer >= 1"),
+            ("min_p", is_real(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("presence_penalty", is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "in [-2, 2]"),
+            ("frequency_penalty", is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "in [-2, 2]"),
+            ("repetition_penalty", is_real(self.repetition_penalty)
+             and 0 < self.repetition_penalty < math.inf, "a finite number > 0"),
+            ("seed", self.seed is None or is_int(self.seed), "None or an integer"),
+            ("max_tokens", self.max_tokens is None or is_int(self.max_tokens) and self.max_tokens >= 1,
+             "None or an integer >= 1"),
+            ("min_tokens", is_int(self.min_tokens) and 0 <= self.min_tokens
+             and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+             "an integer in [0, max_tokens]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("stop_token_ids", all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "integers >= 0"),
+            ("logprobs", self.logprobs is None or is_int(self.logprobs)
+             and 0 <= self.logprobs <= MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]"),
+        )
+        for field, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{field} must be {rule}, got {getattr(self, field)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _key_words(seed: int) -> tuple[int, int]:
+    """A seed (any int, taken modulo 2**64) as the two uint32 words of a threefry key."""
+    seed &= _UINT64_MASK
+    return seed >> 32, seed & 0xFFFFFFFF
+
+
+class SamplingBatch(NamedTuple):
+    """Per-row sampling parameters of one batch bucket ([B] arrays unless noted)."""
+
+    temperature: np.ndarray  # f32; 0 for greedy rows
+    top_k: np.ndarray  # int32; 0 for off
+    top_p: np.ndarray  # f32
+    min_p: np.ndarray  # f32
+    presence_penalty: np.ndarray  # f32
+    frequency_penalty: np.ndarray  # f32
+    repetition_penalty: np.ndarray  # f32
+    seed_words: np.ndarray  # uint32 [B, 2]: the request's seed, or the engine's for unseeded rows
+    seeded: np.ndarray  # bool
+    request_id: np.ndarray  # uint32; picks the stream of an unseeded row
+    num_generated: np.ndarray  # int32; output tokens so far (the step of the row's key)
+    banned_ids: np.ndarray  # int32 [B, W]; padded with an out-of-vocabulary index
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams | None], bucket_size: int, *,
+                    num_generated: Sequence[int], request_ids: Sequence[int],
+                    eos_token_ids: Sequence[int] = (), engine_seed: int = 0) -> SamplingBatch:
+        """Builds the batch on the host; None rows and rows past len(params) are padding.
+
+        num_generated and request_ids run parallel to params (their padding entries are ignored);
+        request ids are integers (e.g. the engine's request counter), used modulo 2**32.
+        """
+        if len(params) > bucket_size:
+            raise ValueError(f"{len(params)} rows do not fit a bucket of {bucket_size}")
+        pad = bucket_size - len(params)
+        rows = list(params) + [None] * pad
+        num_generated = list(num_generated) + [0] * pad
+        request_ids = list(request_ids) + [0] * pad
+
+        # Greedy and padding rows get neutral filters, so they never make the batch pay for a sort.
+        def column(value, neutral, dtype):
+            return np.array([neutral if p is None or p.greedy else value(p) for p in rows], dtype)
+
+        def penalty(value, neutral):
+            return np.array([neutral if p is None else value(p) for p in rows], np.float32)
+
+        banned = [list(eos_token_ids) + list(p.stop_token_ids)
+                  if p is not None and done < p.min_tokens else [] for p, done in zip(rows, num_generated)]
+        width = max(MIN_BANNED_WIDTH, 1 << (max(map(len, banned)) - 1).bit_length())
+        banned_ids = np.full((bucket_size, width), _NO_TOKEN, np.int32)
+        for row, ids in enumerate(banned):
+            banned_ids[row, :len(ids)] = ids
+
+        engine_words = _key_words(engine_seed)
+        return cls(
+            temperature=column(lambda p: p.temperature, 0.0, np.float32),
+            top_k=column(lambda p: max(p.top_k, 0), 0, np.int32),
+            top_p=column(lambda p: p.top_p, 1.0, np.float32),
+            min_p=column(lambda p: p.min_p, 0.0, np.float32),
+            presence_penalty=penalty(lambda p: p.presence_penalty, 0.0),
+            frequency_penalty=penalty(lambda p: p.frequency_penalty, 0.0),
+            repetition_penalty=penalty(lambda p: p.repetition_penalty, 1.0),
+            seed_words=np.array([engine_words if p is None or p.seed is None else _key_words(p.seed)
+                                 for p in rows], np.uint32),
+            seeded=np.array([p is not None and p.seed is not None for p in rows]),
+            request_id=np.array([r & 0xFFFFFFFF for r in request_ids], np.uint32),
+            num_generated=np.array(num_generated, np.int32),
+            banned_ids=banned_ids,
+        )
+
+
+class SampleResult(NamedTuple):
+    tokens: jax.Array  # int32 [B]
+    logprob: jax.Array  # f32 [B]: raw logprob of the chosen token
+    top_ids: jax.Array  # int32 [B, num_logprobs]: most likely tokens, most likely first
+    top_logprobs: jax.Array  # f32 [B, num_logprobs]
+
+
+def apply_penalties(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array,
+                    prompt_mask: jax.Array) -> jax.Array:
+    """vLLM's repetition, frequency and presence penalties on f32 logits [B, V]."""
+    output_mask = output_counts > 0
+    repetition = jnp.where(prompt_mask | output_mask, batch.repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
+    logits = logits - batch.frequency_penalty[:, None] * output_counts
+    return logits - batch.presence_penalty[:, None] * output_mask
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def sample(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array, prompt_mask: jax.Array,
+           *, num_logprobs: int = 0) -> SampleResult:
+    """Samples one token per row of f32 logits [B, V].
+
+    output_counts: int32 [B, V], how often each token was generated (`update_counts`);
+    prompt_mask: bool [B, V], the tokens of each prompt (`token_counts(prompt) > 0`).
+    num_logprobs is static (each value compiles once): pass 0 when no row asks for alternatives,
+    else one bucket such as MAX_LOGPROBS, and let each row keep the first n it asked for.
+    """
+    if not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"num_logprobs must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+    rows = jnp.arange(logits.shape[0])[:, None]
+    banned = logits.at[rows, batch.banned_ids].set(-jnp.inf, mode="drop")
+    penalised = apply_penalties(banned, batch, output_counts, prompt_mask)
+    greedy = batch.temperature == 0
+    argmax = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    # An all-greedy batch skips the random draw (and any sort) entirely.
+    tokens = jax.lax.cond(
+        jnp.all(greedy), lambda: argmax,
+        lambda: jnp.where(greedy, argmax, _sample_random(penalised, batch)))
+
+    log_normaliser = jax.nn.logsumexp(logits, axis=-1)
+    logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normaliser
+    top_logits, top_ids = jax.lax.top_k(logits, num_logprobs)
+    return SampleResult(tokens, logprob, top_ids, top_logits - log_normaliser[:, None])
+
+
+def _sample_random(penalised: jax.Array, batch: SamplingBatch) -> jax.Array:
+    temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)
+    scaled = penalised / temperature[:, None]
+    # min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p): no softmax needed.
+    floor = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)
+    floor = jax.lax.cond(jnp.any((batch.top_k > 0) | (batch.top_p < 1)), _top_k_top_p_floor,
+                         lambda scaled, floor, top_k, top_p: floor, scaled, floor, batch.top_k, batch.top_p)
+    filtered = jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(_row_keys(batch))
+    return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+
+def _top_k_top_p_floor(scaled, floor, top_k, top_p):
+    """Raises each row's logit floor to what top-k and then top-p keep. Ties at a floor all stay."""
+    vocab = scaled.shape[-1]
+    # One O(V log V) sort per row: the main cost of sampling, paid only when a row uses top-k/top-p.
+    ascending = jnp.sort(scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    floor = jnp.maximum(floor, jnp.take_along_axis(ascending, (vocab - k)[:, None], axis=-1)[:, 0])
+    # top-p drops the least likely tokens while the mass they carry stays <= 1 - top_p. Summing
+    # from the small end keeps that mass accurate, so top_p = 1 drops nothing with nonzero mass.
+    probs = jax.nn.softmax(jnp.where(ascending >= floor[:, None], ascending, -jnp.inf), axis=-1)
+    tail_mass = jnp.cumsum(probs, axis=-1)
+    num_dropped = jnp.minimum(jnp.sum(tail_mass <= 1 - top_p[:, None], axis=-1), vocab - 1)
+    return jnp.maximum(floor, jnp.take_along_axis(ascending, num_dropped[:, None], axis=-1)[:, 0])
+
+
+def _row_keys(batch: SamplingBatch) -> jax.Array:
+    def row_key(seed_words, seeded, request_id, num_generated):
+        key = jax.random.wrap_key_data(seed_words, impl="threefry2x32")
+        request_words = jax.random.key_data(jax.random.fold_in(key, request_id))
+        key = jax.random.wrap_key_data(jnp.where(seeded, seed_words, request_words), impl="threefry2x32")
+        return jax.random.fold_in(key, num_generated)
+
+    return jax.vmap(row_key)(batch.seed_words, batch.seeded, batch.request_id, batch.num_generated)
+
+
+def update_counts(output_counts: jax.Array, tokens: jax.Array, active: jax.Array) -> jax.Array:
+    """Adds each active row's new token to output_counts int32 [B, V]."""
+    rows = jnp.arange(tokens.shape[0])
+    return output_counts.at[rows, tokens].add(active.astype(output_counts.dtype))
+
+
+def token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
+    """int32 [B, V] counts of token_ids [B, L]; negative ids are padding.
+
+    Gives a prompt mask (`> 0`) and rebuilds output counts for a request readmitted mid-generation.
+    """
+    rows = jnp.arange(token_ids.shape[0])[:, None]
+    ids = jnp.where(token_ids >= 0, token_ids, vocab_size)  # out of bounds: dropped
+    return jnp.zeros((token_ids.shape[0], vocab_size), jnp.int32).at[rows, ids].add(1, mode="drop")
