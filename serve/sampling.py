@@ -164,7 +164,9 @@ class SamplingBatch(NamedTuple):
 
         banned = [list(eos_token_ids) + list(p.stop_token_ids)
                   if p is not None and done < p.min_tokens else [] for p, done in zip(rows, num_generated)]
-        width = max(MIN_BANNED_WIDTH, 1 << (max(map(len, banned)) - 1).bit_length())
+        width = MIN_BANNED_WIDTH
+        while width < max(map(len, banned)):
+            width *= 2
         banned_ids = np.full((bucket_size, width), _NO_TOKEN, np.int32)
         for row, ids in enumerate(banned):
             banned_ids[row, :len(ids)] = ids
@@ -269,12 +271,14 @@ def _row_keys(batch: SamplingBatch) -> jax.Array:
     return jax.vmap(row_key)(batch.seed_words, batch.seeded, batch.request_id, batch.num_generated)
 
 
+@jax.jit
 def update_counts(output_counts: jax.Array, tokens: jax.Array, active: jax.Array) -> jax.Array:
     """Adds each active row's new token to output_counts int32 [B, V]."""
     rows = jnp.arange(tokens.shape[0])
     return output_counts.at[rows, tokens].add(active.astype(output_counts.dtype))
 
 
+@functools.partial(jax.jit, static_argnames=("vocab_size",))
 def token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
     """int32 [B, V] counts of token_ids [B, L]; negative ids are padding.
 
