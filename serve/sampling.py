@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -78,10 +79,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
 
         def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
         def is_real(v):
-            return is_int(v) or isinstance(v, float)
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
         checks = (
             ("n", is_int(self.n) and self.n >= 1, "an integer >= 1"),
@@ -155,7 +156,8 @@ class SamplingBatch(NamedTuple):
         num_generated = list(num_generated) + [0] * pad
         request_ids = list(request_ids) + [0] * pad
 
-        # Greedy and padding rows get neutral filters, so they never make the batch pay for a sort.
+        # Greedy and padding rows get temperature 0 (greedy) and neutral filters, so they never make
+        # the batch pay for a random draw or a sort.
         def column(value, neutral, dtype):
             return np.array([neutral if p is None or p.greedy else value(p) for p in rows], dtype)
 
@@ -209,7 +211,7 @@ def apply_penalties(logits: jax.Array, batch: SamplingBatch, output_counts: jax.
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array, prompt_mask: jax.Array,
            *, num_logprobs: int = 0) -> SampleResult:
-    """Samples one token per row of f32 logits [B, V].
+    """Samples one token per row of logits [B, V] (any float dtype; sampled in f32).
 
     output_counts: int32 [B, V], how often each token was generated (`update_counts`);
     prompt_mask: bool [B, V], the tokens of each prompt (`token_counts(prompt) > 0`).
@@ -218,6 +220,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array, pr
     """
     if not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"num_logprobs must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+    logits = logits.astype(jnp.float32)
     rows = jnp.arange(logits.shape[0])[:, None]
     banned = logits.at[rows, batch.banned_ids].set(-jnp.inf, mode="drop")
     penalised = apply_penalties(banned, batch, output_counts, prompt_mask)
@@ -239,8 +242,8 @@ def _sample_random(penalised: jax.Array, batch: SamplingBatch) -> jax.Array:
     scaled = penalised / temperature[:, None]
     # min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p): no softmax needed.
     floor = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)
-    floor = jax.lax.cond(jnp.any((batch.top_k > 0) | (batch.top_p < 1)), _top_k_top_p_floor,
-                         lambda scaled, floor, top_k, top_p: floor, scaled, floor, batch.top_k, batch.top_p)
+    floor = jax.lax.cond(jnp.any((batch.top_k > 0) | (batch.top_p < 1)),
+                         lambda: _top_k_top_p_floor(scaled, floor, batch.top_k, batch.top_p), lambda: floor)
     filtered = jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(_row_keys(batch))
     return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)

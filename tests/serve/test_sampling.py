@@ -267,7 +267,8 @@ def test_invalid_params_name_the_field(field, value):
 
 def test_params_defaults_and_normalisation():
     p = SamplingParams(stop="###", stop_token_ids=[4, 5])
-    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.seed) == (1, 1.0, 1.0, 0, 0.0, 16, None)
+    defaults = (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.seed, p.logprobs)
+    assert defaults == (1, 1.0, 1.0, 0, 0.0, 16, None, None)
     assert p.stop == ("###",) and p.stop_token_ids == (4, 5) and SamplingParams().stop == ()
     assert SamplingParams(temperature=0).greedy and not p.greedy
     with pytest.raises(ValueError, match="min_tokens"):
