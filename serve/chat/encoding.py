@@ -93,7 +93,7 @@ def render_messages(messages: list[dict], *, tools: list[dict] | None = None, th
             # A system message may extend the toolset mid-conversation.
             tool_json = _tool_json(message["tools"], f"{field}.tools")
             pieces += _system_note("tool-declare", EXTRA_TOOL_DECLARATION.format(tool_json))
-            if not _content_pieces(message.get("content"), f"{field}.content"):
+            if not message.get("content"):
                 continue
         if role == "assistant":
             body = _assistant_body(message, thinking, field)
@@ -102,7 +102,7 @@ def render_messages(messages: list[dict], *, tools: list[dict] | None = None, th
         if role == "tool":
             attrs = [("role", "tool"), ("tool", message["tool"]), ("index", message["index"])]
         else:
-            attrs = [("role", "user" if role == "user" else "system")]
+            attrs = [("role", "user" if role == "user" else "system")]  # developer is system (spec 4.2)
             if message.get("name"):
                 attrs.append(("name", message["name"]))
         body = _content_pieces(message.get("content"), f"{field}.content")
@@ -144,7 +144,7 @@ def _with_tool_results_matched(messages: list[dict]) -> list[tuple[int, dict]]:
     return ordered
 
 
-def _matched_call(message: dict, position: int, calls, run) -> int:
+def _matched_call(message: dict, position: int, calls: list[tuple], run: list[tuple]) -> int:
     """Zero-based position of the call that tool message `messages[position]` answers."""
     if not calls:
         raise ValueError(f"messages[{position}]: a tool message must follow an assistant message "
@@ -277,5 +277,9 @@ def _element(name: str, attrs: list[tuple[str, Any]], body: list[Piece]) -> list
 
 def _open_tag(name: str, attrs: list[tuple[str, Any]] = ()) -> list[Piece]:
     # One text piece per attribute, as the checkpoint's encoder tokenizes them.
-    escaped = [f' {key}="{str(value).replace("&", "&amp;").replace(chr(34), "&quot;")}"' for key, value in attrs]
-    return [Piece(OPEN, True), Piece(name), *map(Piece, escaped), Piece(SEP, True)]
+    return [Piece(OPEN, True), Piece(name), *(_attribute(key, value) for key, value in attrs), Piece(SEP, True)]
+
+
+def _attribute(key: str, value: Any) -> Piece:
+    escaped = str(value).replace("&", "&amp;").replace('"', "&quot;")  # `&` first, or `&quot;` is escaped twice
+    return Piece(f' {key}="{escaped}"')

@@ -120,6 +120,7 @@ class OutputParser:
         self._reasoning = _Channel()
         self._content = _Channel()
         self._num_calls = 0
+        self._tools_scanned = 0  # no tools-channel marker starts before this point of the buffer
 
     def feed(self, text: str) -> Delta:
         self._buffer += text
@@ -147,21 +148,27 @@ class OutputParser:
             self._at_reasoning_start = False
         at, marker = _first_marker(self._buffer, _REASONING_ENDS)
         if marker is None:
-            kept = 0 if final else _partial_marker_length(self._buffer, _REASONING_ENDS)
-            self._add_reasoning(self._buffer[:len(self._buffer) - kept], delta)
-            self._buffer = self._buffer[len(self._buffer) - kept:]
+            self._add_reasoning(self._take_text(_REASONING_ENDS, final), delta)
             if final:
                 self._release_reasoning(delta)
             return False
         if marker in _SKIPPED_THINK and not self._stream_reasoning:
+            # E8: nothing was reasoning; all the text so far goes to the response.
             self._buffer = self._unreleased_reasoning + self._buffer
             self._unreleased_reasoning = ""
         else:
             self._add_reasoning(self._buffer[:at], delta)
             self._release_reasoning(delta)
+            # The response step drops or acts on every marker here but the think close.
             self._buffer = self._buffer[at + len(THINK_CLOSE):] if marker == THINK_CLOSE else self._buffer[at:]
         self._step = self._response_step
         return True
+
+    def _take_text(self, markers: tuple[str, ...], final: bool) -> str:
+        """The buffered text, less an end that could still grow into one of `markers`."""
+        cut = len(self._buffer) - (0 if final else _partial_marker_length(self._buffer, markers))
+        text, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return text
 
     def _add_reasoning(self, text: str, delta: _DeltaText) -> None:
         if self._stream_reasoning:
@@ -176,9 +183,7 @@ class OutputParser:
     def _response_step(self, delta: _DeltaText, final: bool) -> bool:
         at, marker = _first_marker(self._buffer, _RESPONSE_MARKERS)
         if marker is None:
-            kept = 0 if final else _partial_marker_length(self._buffer, _RESPONSE_MARKERS)
-            delta.content += self._content.add(self._buffer[:len(self._buffer) - kept])
-            self._buffer = self._buffer[len(self._buffer) - kept:]
+            delta.content += self._content.add(self._take_text(_RESPONSE_MARKERS, final))
             return False
         delta.content += self._content.add(self._buffer[:at])
         self._buffer = self._buffer[at + len(marker):]
@@ -189,10 +194,13 @@ class OutputParser:
         return True
 
     def _tools_step(self, delta: _DeltaText, final: bool) -> bool:
-        at, marker = _first_marker(self._buffer, _TOOLS_MARKERS)
+        # A call is buffered whole, so searching only the new text keeps a long call linear.
+        at, marker = _first_marker(self._buffer, _TOOLS_MARKERS, start=self._tools_scanned)
         if marker is None:
+            self._tools_scanned = max(0, len(self._buffer) - max(map(len, _TOOLS_MARKERS)) + 1)
             return False  # an unfinished call waits for its close, and is dropped if none comes
         call_text, self._buffer = self._buffer[:at], self._buffer[at + len(marker):]
+        self._tools_scanned = 0
         if marker != CALL_CLOSE:
             self._step = self._done_step
         elif self._parse_calls and (call := _parse_call(call_text)) is not None:
@@ -216,9 +224,9 @@ class _DeltaText:
         return Delta(self.reasoning or None, self.content or None, self.tool_calls)
 
 
-def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
-    """Position and text of the earliest marker in `text`, or (-1, None)."""
-    found = [(at, marker) for marker in markers if (at := text.find(marker)) != -1]
+def _first_marker(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[int, str | None]:
+    """Position and text of the earliest marker in `text[start:]`, or (-1, None)."""
+    found = [(at, marker) for marker in markers if (at := text.find(marker, start)) != -1]
     return min(found) if found else (-1, None)
 
 

@@ -19,7 +19,7 @@ import tiktoken
 # The pre-tokenizer split of every Kimi tokenizer (K2 and K3 share it). It is not in a data file:
 # the checkpoint defines it in `tokenization_kimi.py` (`TikTokenTokenizer.pat_str`), which we do not
 # execute. Han runs form their own pieces (`&&[^\p{Han}]` takes Han out of the letter classes).
-KIMI_PATTERN = "|".join([
+KIMI_PATTERN = "|".join([  # noqa: FLY002 -- one alternative a line, as the checkpoint writes it
     r"""[\p{Han}]+""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",

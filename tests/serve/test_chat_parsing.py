@@ -47,8 +47,8 @@ EXAMPLES = [
      '<|sep|>false<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>' + END,
      False, TOOLS, None, None,
      [call("search", '{"q": "say \\"hi\\" & bye", "opts": {"limit": 5, "safe": true}}'), call("a&b", '{"flag": false}')]),
-    ("E5", 'Let me check.<|close|>think<|sep|><|open|>response<|sep|>Checking…<|close|>response<|sep|>'
-     '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="x" type="string"<|sep|>abc',
+    ("E5", ('Let me check.<|close|>think<|sep|><|open|>response<|sep|>Checking…<|close|>response<|sep|>'
+            '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="x" type="string"<|sep|>abc'),
      True, TOOLS, "Let me check.", "Checking…", []),
     ("E6", "Count.<|close|>think<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
      + xtml_call('tool="f"', ("n", "number", "3,")) + "<|close|>tools<|sep|>" + END,
