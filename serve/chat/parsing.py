@@ -7,11 +7,14 @@ tokens kept and no spaces added around them. Its shape is
     [<|open|>tools<|sep|> <|open|>call tool="NAME" index="1"<|sep|> arguments <|close|>call<|sep|> …
      <|close|>tools<|sep|>] <|close|>message<|sep|>
 
-One incremental parser does both jobs: `OutputParser` streams it, and `parse_output` feeds it the
-whole text at once, so streaming and non-streaming agree by construction. Where vLLM 0.33 and
-SGLang differ, SGLang's reading is taken (design section 6):
+Content is the text after the reasoning and before the tools channel, without the response
+wrappers; text after the message close is not part of the message. One incremental parser does
+both jobs: `OutputParser` streams, and `parse_output` feeds it the whole text at once, so the two
+agree for any split of the stream (exactly so when the stream holds reasoning back, see E8 below).
+Where vLLM 0.33 and SGLang differ, SGLang's reading is taken (design section 6):
 
-* thinking mode, no think close, but a tools opener: the reasoning ends there and the calls count (E9);
+* thinking mode, no think close, but a response or tools opener: the reasoning ends there, and the
+  calls count (E9);
 * thinking mode, a response close before any think close: the model skipped the think channel and
   everything was the response (E8). A stream cannot know this until the close arrives, so a parser
   that streams reasoning live (`stream_reasoning=True`) reports such text as reasoning instead;
