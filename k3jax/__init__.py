@@ -14,6 +14,8 @@ _EXPORTS = {
     "active_param_count": "k3jax.sizing",
     "mla_cache_bytes_per_token": "k3jax.sizing",
     "kda_state_bytes_per_sequence": "k3jax.sizing",
+    "LLM": "serve.llm",
+    "SamplingParams": "serve.sampling",
 }
 
 __all__ = sorted(_EXPORTS)

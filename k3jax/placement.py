@@ -11,13 +11,14 @@ from jax.sharding import Mesh
 from k3jax.config import K3Config
 from k3jax.decoder import DecodeState
 from k3jax.layers.kda import KDACache
-from k3jax.layers.mla import MLACache
+from k3jax.layers.mla import MLACache, MLAPages
 from sharding.axes import named_sharding
 
 CACHE_AXES = {
     KDACache: KDACache(conv=("layers", "batch", "conv_tap", "qkv", "cache_channels"),
                        state=("layers", "batch", "cache_heads", "head_dim", "head_dim")),
     MLACache: MLACache(latent=("layers", "batch", "sequence", "cache_width")),
+    MLAPages: MLAPages(pages=("layers", "pages", "page_rows", "cache_width"), scale=("layers",)),
 }
 
 
@@ -53,9 +54,14 @@ def put(value, sharding):
 
 
 def cache_shardings(cache: DecodeState, mesh: Mesh) -> DecodeState:
+    return DecodeState(layer_cache_shardings(cache.layers, mesh), named_sharding(("batch",), cache.lengths.shape, mesh))
+
+
+def layer_cache_shardings(layers: tuple, mesh: Mesh) -> tuple:
+    """Shardings of per-segment layer caches (`DecodeState.layers` or the engine's pools)."""
+
     def layer(c):
         axes = CACHE_AXES[type(c)]
         return type(c)(*(named_sharding(a, x.shape, mesh) for a, x in zip(axes, c)))
 
-    layers = tuple(tuple(layer(c) for c in seg) for seg in cache.layers)
-    return DecodeState(layers, named_sharding(("batch",), cache.lengths.shape, mesh))
+    return tuple(tuple(layer(c) for c in seg) for seg in layers)

@@ -1,0 +1,89 @@
+"""The hybrid cache's host-side bookkeeping: which MLA pages and KDA slots each request holds.
+
+The device pools (`k3jax.decoder.init_pools`) hold, per MLA layer, `num_pages` pages of `page_size`
+latent rows and, per KDA layer, `num_slots` fp32 recurrent states with their conv windows. Page 0 and
+slot 0 are the null page and slot that padding rows point at, so they are never handed out. One
+memory budget is split between the two: every running request needs one slot, and pages as its
+context grows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from k3jax.config import KDA, MLA, K3Config
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Sizes of the pools: `num_slots` and `num_pages` include the null slot and page."""
+
+    page_size: int
+    num_pages: int
+    num_slots: int
+
+    @staticmethod
+    def from_budget(cfg: K3Config, *, memory_bytes: int, max_num_seqs: int, page_size: int,
+                    dtype_bytes: int, kv_cache_dtype_bytes: int) -> "CacheLayout":
+        """Slots for `max_num_seqs` requests, then as many pages as the rest of `memory_bytes` holds."""
+        slots = max_num_seqs + 1
+        pages = (memory_bytes - slots * slot_bytes(cfg, dtype_bytes)) // page_bytes(cfg, page_size, kv_cache_dtype_bytes)
+        if pages < 2:
+            raise ValueError(f"a cache budget of {memory_bytes} bytes holds {max_num_seqs} KDA slots but not a "
+                             f"single {page_size}-token MLA page; raise the budget or lower max_num_seqs")
+        return CacheLayout(page_size, int(pages), slots)
+
+
+def page_bytes(cfg: K3Config, page_size: int, kv_cache_dtype_bytes: int) -> int:
+    """Bytes of one page over every MLA layer."""
+    return cfg.layer_types.count(MLA) * page_size * cfg.mla_cache_width * kv_cache_dtype_bytes
+
+
+def slot_bytes(cfg: K3Config, dtype_bytes: int) -> int:
+    """Bytes of one slot over every KDA layer: fp32 state and the conv window in the activation dtype."""
+    state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
+    conv = (cfg.kda_conv_size - 1) * 3 * cfg.kda_projection_size * dtype_bytes
+    return cfg.layer_types.count(KDA) * (state + conv)
+
+
+class CacheAllocator:
+    """Free lists of pages and slots. Allocation is all-or-nothing, and freeing returns everything."""
+
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self._free_pages = list(range(layout.num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self._free_slots = list(range(layout.num_slots - 1, 0, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.layout.page_size)
+
+    def allocate_slot(self) -> int | None:
+        return self._free_slots.pop() if self._free_slots else None
+
+    def allocate_pages(self, count: int) -> list[int] | None:
+        if count > len(self._free_pages):
+            return None
+        return [self._free_pages.pop() for _ in range(count)]
+
+    def free(self, pages: list[int], slot: int | None) -> None:
+        self._free_pages.extend(reversed(pages))
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def page_table(self, rows: list[list[int]], width: int) -> np.ndarray:
+        """int32 [len(rows), width]: each row's pages, then the null page 0."""
+        table = np.zeros((len(rows), width), np.int32)
+        for i, pages in enumerate(rows):
+            table[i, :len(pages)] = pages
+        return table

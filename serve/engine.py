@@ -1,0 +1,238 @@
+"""The serving engine: requests in, tokens out, one `step()` at a time.
+
+A step asks the scheduler for this step's rows, runs the prefill chunks and the decodes as two
+jitted model calls (each bucketed), samples a token for every row that reached the end of its
+known tokens, and applies the stop rules. Everything a request holds in the cache is freed the
+moment it finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.model import K3Model
+from serve import sampling
+from serve.cache import CacheAllocator, CacheLayout, page_bytes
+from serve.runner import Runner, bucket, buckets
+from serve.sampling import SamplingParams
+from serve.scheduler import Request, Scheduler, Status
+
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.float8_e4m3fn,
+                   "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """The server flags that shape the engine, in snake case (vLLM's names where they exist)."""
+
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_prefill_chunk: int = 256  # the longest prefill chunk one row runs per step
+    max_prefill_rows: int = 4  # prefill chunks per step
+    block_size: int = 16  # tokens per MLA page
+    kv_cache_memory_bytes: int | None = None  # one budget for MLA pages and KDA slots
+    num_gpu_blocks: int | None = None  # or: exactly this many pages (vLLM's override)
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                     "max_prefill_rows", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort"; None while running
+    logprobs: list[dict] | None = None
+    text: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(self, model: K3Model, options: EngineOptions | None = None, *, tokenizer=None):
+        self.model = model
+        self.options = options = options or EngineOptions()
+        self.tokenizer = tokenizer
+        cfg = model.config
+        kv_dtype = KV_CACHE_DTYPES[options.kv_cache_dtype] or model.dtype
+        self.layout = self._layout(cfg, options, jnp.dtype(model.dtype).itemsize, jnp.dtype(kv_dtype).itemsize)
+        self.allocator = CacheAllocator(self.layout)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs=options.max_num_seqs,
+                                   max_num_batched_tokens=options.max_num_batched_tokens,
+                                   max_prefill_chunk=min(options.max_prefill_chunk, options.max_num_batched_tokens),
+                                   max_prefill_rows=options.max_prefill_rows)
+        self.runner = Runner(model, self.layout, max_model_len=options.max_model_len, kv_cache_dtype=kv_dtype)
+        self.decode_rows = buckets(options.max_num_seqs)
+        self.prefill_rows = buckets(options.max_prefill_rows)
+        self.prefill_tokens = buckets(self.scheduler.max_prefill_chunk, smallest=min(16, self.scheduler.max_prefill_chunk))
+        self.eos_ids = {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    @staticmethod
+    def _layout(cfg, options: EngineOptions, dtype_bytes: int, kv_bytes: int) -> CacheLayout:
+        slots = options.max_num_seqs + 1
+        min_pages = -(-options.max_model_len // options.block_size) + 1  # one full-length request, and the null page
+        if options.num_gpu_blocks is not None:
+            pages = options.num_gpu_blocks
+        elif options.kv_cache_memory_bytes is not None:
+            pages = CacheLayout.from_budget(cfg, memory_bytes=options.kv_cache_memory_bytes,
+                                            max_num_seqs=options.max_num_seqs, page_size=options.block_size,
+                                            dtype_bytes=dtype_bytes, kv_cache_dtype_bytes=kv_bytes).num_pages
+        else:  # every slot can hold a full-length request
+            pages = options.max_num_seqs * (min_pages - 1) + 1
+        if pages < min_pages:
+            raise ValueError(f"{pages} pages of {options.block_size} tokens "
+                             f"({pages * page_bytes(cfg, options.block_size, kv_bytes)} bytes) cannot hold one "
+                             f"request of max_model_len={options.max_model_len}; raise the cache budget")
+        return CacheLayout(options.block_size, pages, slots)
+
+    # requests
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queues a prompt (token ids, or text when the engine has a tokenizer); returns its id."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        if len(ids) + 1 > self.options.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.options.max_model_len} leaves "
+                             "no room to generate")
+        request_id = request_id if request_id is not None else f"req-{next(self._arrivals)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, ids, params, next(self._arrivals))
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.status is not Status.FINISHED:
+            self.scheduler.finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def warmup(self) -> None:
+        """Compiles every step shape the engine can run (padding rows only: the pools' real entries stay
+        untouched), so nothing compiles while serving."""
+        for num_rows in self.decode_rows:
+            self._warm(num_rows, 1)
+        for num_rows in self.prefill_rows:
+            for num_tokens in self.prefill_tokens:
+                self._warm(num_rows, num_tokens)
+
+    def _warm(self, num_rows: int, num_tokens: int) -> None:
+        logits = self.runner.run([], num_rows, num_tokens)
+        for ready in ([], [(0, Request("warmup", [0], SamplingParams(logprobs=1), -1))]):
+            self._sample(logits, ready)  # without and with logprobs
+
+    # steps
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the requests that got a token or finished."""
+        plan = self.scheduler.schedule()
+        sampled = []
+        if plan.prefill:
+            rows = [(r.tokens[r.computed:r.computed + n], r) for r, n in plan.prefill]
+            sampled += self._run(rows, bucket(len(rows), self.prefill_rows),
+                                 bucket(max(len(t) for t, _ in rows), self.prefill_tokens))
+        if plan.decode:
+            rows = [(r.tokens[r.computed:], r) for r in plan.decode]
+            sampled += self._run(rows, bucket(len(rows), self.decode_rows), 1)
+        outputs = []
+        for request, token in sampled:
+            self._append(request, token)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _run(self, rows, num_rows: int, num_tokens: int) -> list[tuple[Request, int]]:
+        logits = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens)
+        for new, request in rows:
+            request.computed += len(new)
+        ready = [(i, r) for i, (_, r) in enumerate(rows) if r.pending == 0]
+        if not ready:
+            return []
+        tokens = self._sample(logits, ready)
+        return [(r, t) for (_, r), t in zip(ready, tokens)]
+
+    def _sample(self, logits, ready) -> list[int]:
+        """Samples the next token of each ready row (row index, request); the logits' other rows are padding."""
+        num_rows, vocab = logits.shape
+        params: list = [None] * num_rows
+        generated, ids = [0] * num_rows, [0] * num_rows
+        for i, request in ready:
+            params[i], generated[i], ids[i] = request.params, len(request.output), request.arrival
+        batch = sampling.SamplingBatch.from_params(params, num_rows, num_generated=generated, request_ids=ids,
+                                                   eos_token_ids=sorted(self.eos_ids), engine_seed=self.options.seed)
+        counts, prompt_mask = self._penalty_inputs(ready, num_rows, vocab)
+        wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
+        result = sampling.sample(logits, batch, counts, prompt_mask,
+                                 num_logprobs=sampling.MAX_LOGPROBS if wants_logprobs else 0)
+        tokens = np.asarray(result.tokens)
+        if wants_logprobs:
+            chosen, top_ids, top = map(np.asarray, (result.logprob, result.top_ids, result.top_logprobs))
+            for i, request in ready:
+                if request.params.logprobs is not None:
+                    n = request.params.logprobs
+                    entry = {int(t): float(v) for t, v in zip(top_ids[i, :n], top[i, :n])}
+                    entry[int(tokens[i])] = float(chosen[i])
+                    request.logprobs.append(entry)
+        return [int(tokens[i]) for i, _ in ready]
+
+    def _penalty_inputs(self, ready, num_rows: int, vocab: int):
+        """Output-token counts and prompt masks [num_rows, vocab]; zeros unless a row uses a penalty.
+        Built on the host per step: fine for small vocabularies and occasional use (a device-resident
+        per-slot count table would avoid the copy at K3's 164K vocabulary)."""
+        counts = np.zeros((num_rows, vocab), np.int32)
+        prompt_mask = np.zeros((num_rows, vocab), bool)
+        for i, request in ready:
+            p = request.params
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                np.add.at(counts[i], request.output, 1)
+                prompt_mask[i, request.prompt] = True
+        return counts, prompt_mask
+
+    def _append(self, request: Request, token: int) -> None:
+        request.output.append(token)
+        params = request.params
+        if token in self.eos_ids and not params.ignore_eos:
+            self.scheduler.finish(request, "stop")
+        elif params.stop_token_ids and token in params.stop_token_ids:
+            self.scheduler.finish(request, "stop")
+        elif (params.max_tokens is not None and len(request.output) >= params.max_tokens) \
+                or len(request.tokens) >= self.options.max_model_len:
+            self.scheduler.finish(request, "length")
+
+    def _output(self, request: Request) -> RequestOutput:
+        if request.status is Status.FINISHED:
+            self.requests.pop(request.id, None)
+        return RequestOutput(request.id, request.prompt, list(request.output), request.finish_reason,
+                             list(request.logprobs) if request.params.logprobs is not None else None)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer files: send token ids, not text")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        return ids

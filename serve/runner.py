@@ -1,0 +1,81 @@
+"""The jitted model steps of the engine, over bucketed shapes compiled once at warm-up.
+
+A step feeds rows of new tokens ([rows, tokens], right-padded) through the model against the
+cache pools and returns each row's last-token logits. Row counts and chunk lengths are rounded up
+to powers of two (`buckets`), padding rows point at the null slot and page, and the page table
+always has the width of `max_model_len`: nothing recompiles in steady state.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.decoder import PagedState, init_pools
+from k3jax.model import K3Model
+from k3jax.placement import layer_cache_shardings
+from serve.cache import CacheLayout
+
+
+def buckets(largest: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to the first one at or above `largest`."""
+    sizes, size = [], smallest
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, size)
+
+
+def bucket(value: int, sizes: tuple[int, ...]) -> int:
+    return next(s for s in sizes if s >= value)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _step(graphdef, params, pools, tokens, lengths, offsets, slots, page_table):
+    model = nnx.merge(graphdef, params)
+    logits, state = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), last_only=True)
+    return logits, state.layers
+
+
+class Runner:
+    """Owns the cache pools; `run` is one step over the given rows."""
+
+    def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None):
+        if model.mesh is not None and model.mesh.shape["data"] > 1:
+            raise ValueError("the engine runs on meshes with data=1 for now (tensor and expert parallel over "
+                             f"model); got {dict(model.mesh.shape)}")
+        self.model = model
+        self.layout = layout
+        self.page_table_width = -(-max_model_len // layout.page_size)
+        make = functools.partial(init_pools, model.config, num_slots=layout.num_slots, num_pages=layout.num_pages,
+                                 page_size=layout.page_size, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
+        self.pools = make() if model.mesh is None else jax.jit(make, out_shardings=self._pool_shardings(make))()
+
+    def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int) -> jax.Array:
+        """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens.
+        Returns float32 logits [num_rows, vocab] of each row's last new token (padding rows: garbage)."""
+        tokens = np.zeros((num_rows, num_tokens), np.int32)
+        lengths = np.zeros(num_rows, np.int32)
+        offsets = np.zeros(num_rows, np.int32)
+        slots = np.zeros(num_rows, np.int32)
+        table = np.zeros((num_rows, self.page_table_width), np.int32)
+        for i, (new, cached, slot, pages) in enumerate(rows):
+            tokens[i, :len(new)] = new
+            lengths[i], offsets[i], slots[i] = len(new), cached, slot
+            table[i, :len(pages)] = pages
+        logits, self.pools = self._call(tokens, lengths, offsets, slots, table)
+        return logits
+
+    def _call(self, *arrays):
+        model = self.model
+        if model.mesh is None:
+            return _step(model.graphdef, model.params, self.pools, *map(jnp.asarray, arrays))
+        with jax.set_mesh(model.mesh):
+            return _step(model.graphdef, model.params, self.pools, *map(jnp.asarray, arrays))
+
+    def _pool_shardings(self, make):
+        return layer_cache_shardings(jax.eval_shape(make), self.model.mesh)

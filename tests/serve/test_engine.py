@@ -1,0 +1,166 @@
+"""The engine against a reference decoder that knows nothing of pages, slots or scheduling: each
+prompt run alone through `K3Model.prefill` / `decode` with a contiguous cache (fp32, greedy)."""
+
+import jax
+import numpy as np
+import pytest
+
+from k3jax.config import K3Config
+from k3jax.model import K3Model
+from serve.engine import Engine, EngineOptions
+from serve.sampling import SamplingParams
+
+PAD = 96  # every reference prefill is padded to this length: one compiled shape
+
+
+@pytest.fixture(scope="module")
+def model():
+    return K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0)
+
+
+def reference_greedy(model, prompt, max_tokens):
+    tokens = np.zeros((1, PAD), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    logits, cache = model.prefill(tokens, [len(prompt)], max_len=PAD + 32)
+    out = [int(np.argmax(logits[0, len(prompt) - 1]))]
+    while len(out) < max_tokens:
+        step, cache = model.decode([out[-1]], cache)
+        out.append(int(np.argmax(step[0])))
+    return out
+
+
+def workload(seed, count, lengths=(1, 70), max_tokens=(4, 12)):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 512, rng.integers(*lengths)).tolist() for _ in range(count)]
+    return prompts, rng.integers(*max_tokens, count).tolist()
+
+
+def run_all(engine, prompts, max_tokens):
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+           for p, n in zip(prompts, max_tokens)]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i].token_ids for i in ids]
+
+
+def assert_pool_full(engine):
+    layout = engine.layout
+    assert engine.allocator.free_pages == layout.num_pages - 1 and engine.allocator.free_slots == layout.num_slots - 1
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """One engine for the tests (its compiled steps are reused): pages of 4 tokens, prefill chunks of
+    at most 16 (long prompts span several steps), and 60 pages, fewer than 4 long requests need."""
+    engine = Engine(model, EngineOptions(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=24,
+                                         max_prefill_chunk=16, max_prefill_rows=2, block_size=4, num_gpu_blocks=60))
+    engine.warmup()
+    return engine
+
+
+def test_concurrent_chunked_requests_match_each_run_alone(model, engine):
+    prompts, max_tokens = workload(0, 10)
+    got = run_all(engine, prompts, max_tokens)
+    for prompt, n, tokens in zip(prompts, max_tokens, got):
+        assert tokens == reference_greedy(model, prompt, n)
+    assert_pool_full(engine)
+
+
+def test_preemption_when_pages_run_out_keeps_outputs(model, engine):
+    prompts, max_tokens = workload(1, 6, lengths=(40, 70), max_tokens=(10, 20))
+    before = engine.scheduler.num_preemptions
+    got = run_all(engine, prompts, max_tokens)
+    assert engine.scheduler.num_preemptions > before
+    for prompt, n, tokens in zip(prompts, max_tokens, got):
+        assert tokens == reference_greedy(model, prompt, n)
+    assert_pool_full(engine)
+
+
+def test_random_workload_with_aborts_returns_every_page_and_slot(engine):
+    rng = np.random.default_rng(2)
+    live, finished, aborted = [], set(), 0
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                finished.add(out.request_id)
+                live.remove(out.request_id)
+
+    for i in range(200):
+        prompt = rng.integers(0, 512, rng.integers(1, 40)).tolist()
+        live.append(engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 8)),
+                                                              ignore_eos=True)))
+        if rng.random() < 0.3:  # cancel a random live request, waiting or running
+            engine.abort(live.pop(int(rng.integers(len(live)))))
+            aborted += 1
+        if i % 4 == 0:
+            step()
+    while engine.has_unfinished():
+        step()
+    assert len(finished) + aborted == 200 and aborted > 30 and not live and not engine.requests
+    assert_pool_full(engine)
+
+
+def test_no_compilation_after_warmup(engine):
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        prompts, max_tokens = workload(3, 8, lengths=(1, 40))
+        params = [SamplingParams(temperature=t, top_k=k, seed=i, max_tokens=n, logprobs=2 if i % 3 else None)
+                  for i, (t, k, n) in enumerate(zip([0.0, 0.7, 1.0, 0.0] * 2, [0, 5, 0, 3] * 2, max_tokens))]
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert ids and compiles == []
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    def tokens(prompts, seeds):
+        params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=8, ignore_eos=True) for s in seeds]
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return [done[i] for i in ids]
+
+    prompts, _ = workload(4, 4, lengths=(3, 30))
+    alone = tokens(prompts[:1], [7])[0]
+    assert tokens(prompts[1:] + prompts[:1], [11, 3, 5, 7])[-1] == alone  # another row, other neighbours
+    assert tokens(prompts[:1], [8])[0] != alone
+
+
+def test_logprobs_are_the_models_log_softmax(model, engine):
+    prompt = [3, 14, 15, 92, 65]
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))
+    done = None
+    while engine.has_unfinished():
+        done = next((o for o in engine.step() if o.finished), done)
+    logits = model.logits(np.asarray([prompt + done.token_ids]))[0].astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    for i, (token, entry) in enumerate(zip(done.token_ids, done.logprobs)):
+        row = logp[len(prompt) - 1 + i]
+        top = np.argsort(-row)[:3]
+        assert token == top[0] and set(entry) == set(top.tolist())
+        for t, value in entry.items():
+            assert abs(value - row[t]) < 1e-4  # fp32 log-softmax of the same logits
+
+
+def test_bad_requests_are_refused_and_lose_nothing(model, engine):
+    with pytest.raises(ValueError, match="max_model_len=96"):
+        engine.add_request(list(range(100)))
+    with pytest.raises(ValueError, match=r"lie in \[0, 512\)"):
+        engine.add_request([1, 600])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.add_request("hello")
+    assert run_all(engine, [[5, 6, 7]], [3]) == [reference_greedy(model, [5, 6, 7], 3)]
