@@ -81,6 +81,9 @@ class Engine:
         self.prefill_rows = buckets(options.max_prefill_rows)
         self.prefill_tokens = buckets(self.scheduler.max_prefill_chunk, smallest=min(16, self.scheduler.max_prefill_chunk))
         self.eos_ids = {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
+        if tokenizer is not None:
+            self.eos_ids |= set(tokenizer.eos_token_ids)
+        self._texts: dict[str, _Text] = {}  # detokenized output of running requests (with a tokenizer)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -121,6 +124,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
+        self._texts.pop(request_id, None)
         if request is not None and request.status is not Status.FINISHED:
             self.scheduler.finish(request, "abort")
 
@@ -210,7 +214,9 @@ class Engine:
     def _append(self, request: Request, token: int) -> None:
         request.output.append(token)
         params = request.params
-        if token in self.eos_ids and not params.ignore_eos:
+        if self.tokenizer is not None and self._text(request).feed(token):
+            self.scheduler.finish(request, "stop")  # a stop string
+        elif token in self.eos_ids and not params.ignore_eos:
             self.scheduler.finish(request, "stop")
         elif params.stop_token_ids and token in params.stop_token_ids:
             self.scheduler.finish(request, "stop")
@@ -218,11 +224,20 @@ class Engine:
                 or len(request.tokens) >= self.options.max_model_len:
             self.scheduler.finish(request, "length")
 
+    def _text(self, request: Request) -> _Text:
+        if request.id not in self._texts:
+            self._texts[request.id] = _Text(self.tokenizer, request.params)
+        return self._texts[request.id]
+
     def _output(self, request: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self._text(request).finish() if request.status is Status.FINISHED else self._text(request).text
         if request.status is Status.FINISHED:
             self.requests.pop(request.id, None)
+            self._texts.pop(request.id, None)
         return RequestOutput(request.id, request.prompt, list(request.output), request.finish_reason,
-                             list(request.logprobs) if request.params.logprobs is not None else None)
+                             list(request.logprobs) if request.params.logprobs is not None else None, text)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -236,3 +251,30 @@ class Engine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         return ids
+
+
+class _Text:
+    """A request's output text, detokenized as tokens arrive; `feed` says when a stop string appeared
+    (the text is then cut before it, as OpenAI and vLLM return it)."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.decoder = tokenizer.incremental_decoder(skip_special_tokens=params.skip_special_tokens)
+        self.stops = params.stop
+        self.text = ""
+        self.stopped = False
+
+    def feed(self, token: int) -> bool:
+        start = len(self.text)
+        self.text += self.decoder.feed(token)
+        # a stop string may straddle the previous text and the new piece; the earliest one wins
+        found = [at for stop in self.stops if (at := self.text.find(stop, max(0, start - len(stop) + 1))) >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+            self.stopped = True
+        return self.stopped
+
+    def finish(self) -> str:
+        """The final text: with the bytes of a character the last token left unfinished, unless cut."""
+        if not self.stopped:
+            self.text += self.decoder.finish()
+        return self.text

@@ -65,8 +65,4 @@ class LLM:
             for output in self.engine.step():
                 if output.finished:
                     done[output.request_id] = output
-        tokenizer = self.engine.tokenizer
-        for output in done.values():
-            if tokenizer is not None:
-                output.text = tokenizer.decode(output.token_ids)
         return [done[i] for i in ids]
