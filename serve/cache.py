@@ -50,10 +50,13 @@ def slot_bytes(cfg: K3Config, dtype_bytes: int) -> int:
 
 
 class CacheAllocator:
-    """Free lists of pages and slots. Allocation is all-or-nothing, and freeing returns everything."""
+    """Free lists of pages and slots. Allocation is all-or-nothing. With a prefix cache, pages it
+    holds are released to it rather than freed, and its unused entries are evicted (least recently
+    used first) when the free lists run dry."""
 
-    def __init__(self, layout: CacheLayout):
+    def __init__(self, layout: CacheLayout, prefix_cache=None):
         self.layout = layout
+        self.prefix_cache = prefix_cache
         self._free_pages = list(range(layout.num_pages - 1, 0, -1))  # pop() hands out low ids first
         self._free_slots = list(range(layout.num_slots - 1, 0, -1))
 
@@ -69,17 +72,42 @@ class CacheAllocator:
         return math.ceil(tokens / self.layout.page_size)
 
     def allocate_slot(self) -> int | None:
+        if not self._free_slots and self.prefix_cache is not None:
+            slot = self.prefix_cache.evict_snapshot()
+            if slot is not None:
+                return slot
         return self._free_slots.pop() if self._free_slots else None
 
     def allocate_pages(self, count: int) -> list[int] | None:
+        while count > len(self._free_pages) and self.prefix_cache is not None:
+            evicted = self.prefix_cache.evict()
+            if evicted is None:
+                break
+            self._return(*evicted)
         if count > len(self._free_pages):
             return None
         return [self._free_pages.pop() for _ in range(count)]
 
     def free(self, pages: list[int], slot: int | None) -> None:
-        self._free_pages.extend(reversed(pages))
+        for page in reversed(pages):
+            if self.prefix_cache is not None and self.prefix_cache.holds(page):
+                self.prefix_cache.release(page)
+            else:
+                self._free_pages.append(page)
         if slot is not None:
             self._free_slots.append(slot)
+
+    def reset_prefix_cache(self) -> None:
+        """Evicts every cached page and snapshot nobody is using."""
+        while (evicted := self.prefix_cache.evict()) is not None:
+            self._return(*evicted)
+        while (slot := self.prefix_cache.evict_snapshot()) is not None:
+            self._free_slots.append(slot)
+
+    def _return(self, page: int, snapshot: int | None) -> None:
+        self._free_pages.append(page)
+        if snapshot is not None:
+            self._free_slots.append(snapshot)
 
     def page_table(self, rows: list[list[int]], width: int) -> np.ndarray:
         """int32 [len(rows), width]: each row's pages, then the null page 0."""

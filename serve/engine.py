@@ -17,6 +17,7 @@ import numpy as np
 from k3jax.model import K3Model
 from serve import sampling
 from serve.cache import CacheAllocator, CacheLayout, page_bytes
+from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
 from serve.sampling import SamplingParams
 from serve.scheduler import Request, Scheduler, Status
@@ -38,6 +39,8 @@ class EngineOptions:
     kv_cache_memory_bytes: int | None = None  # one budget for MLA pages and KDA slots
     num_gpu_blocks: int | None = None  # or: exactly this many pages (vLLM's override)
     kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = False
+    num_snapshot_slots: int | None = None  # KDA snapshots the prefix cache keeps (default: max_num_seqs)
     seed: int = 0
 
     def __post_init__(self):
@@ -71,7 +74,8 @@ class Engine:
         cfg = model.config
         kv_dtype = KV_CACHE_DTYPES[options.kv_cache_dtype] or model.dtype
         self.layout = self._layout(cfg, options, jnp.dtype(model.dtype).itemsize, jnp.dtype(kv_dtype).itemsize)
-        self.allocator = CacheAllocator(self.layout)
+        self.prefix_cache = PrefixCache(options.block_size) if options.enable_prefix_caching else None
+        self.allocator = CacheAllocator(self.layout, self.prefix_cache)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=options.max_num_seqs,
                                    max_num_batched_tokens=options.max_num_batched_tokens,
                                    max_prefill_chunk=min(options.max_prefill_chunk, options.max_num_batched_tokens),
@@ -89,13 +93,16 @@ class Engine:
 
     @staticmethod
     def _layout(cfg, options: EngineOptions, dtype_bytes: int, kv_bytes: int) -> CacheLayout:
-        slots = options.max_num_seqs + 1
+        snapshots = 0
+        if options.enable_prefix_caching:
+            snapshots = options.max_num_seqs if options.num_snapshot_slots is None else options.num_snapshot_slots
+        slots = options.max_num_seqs + snapshots + 1
         min_pages = -(-options.max_model_len // options.block_size) + 1  # one full-length request, and the null page
         if options.num_gpu_blocks is not None:
             pages = options.num_gpu_blocks
         elif options.kv_cache_memory_bytes is not None:
             pages = CacheLayout.from_budget(cfg, memory_bytes=options.kv_cache_memory_bytes,
-                                            max_num_seqs=options.max_num_seqs, page_size=options.block_size,
+                                            max_num_seqs=slots - 1, page_size=options.block_size,
                                             dtype_bytes=dtype_bytes, kv_cache_dtype_bytes=kv_bytes).num_pages
         else:  # every slot can hold a full-length request
             pages = options.max_num_seqs * (min_pages - 1) + 1
@@ -134,11 +141,18 @@ class Engine:
     def warmup(self) -> None:
         """Compiles every step shape the engine can run (padding rows only: the pools' real entries stay
         untouched), so nothing compiles while serving."""
+        if self.prefix_cache is not None:
+            self.runner.copy_slot(0, 0)
         for num_rows in self.decode_rows:
             self._warm(num_rows, 1)
         for num_rows in self.prefill_rows:
             for num_tokens in self.prefill_tokens:
                 self._warm(num_rows, num_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Drops every cached page and snapshot no running request uses."""
+        if self.prefix_cache is not None:
+            self.allocator.reset_prefix_cache()
 
     def _warm(self, num_rows: int, num_tokens: int) -> None:
         logits = self.runner.run([], num_rows, num_tokens)
@@ -165,9 +179,15 @@ class Engine:
         return outputs
 
     def _run(self, rows, num_rows: int, num_tokens: int) -> list[tuple[Request, int]]:
+        for _, request in rows:  # prefix-cache hits resume from a KDA snapshot
+            if request.restore_from is not None:
+                self.runner.copy_slot(request.restore_from, request.slot)
+                request.restore_from = None
         logits = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens)
         for new, request in rows:
             request.computed += len(new)
+            if self.prefix_cache is not None and (copy := self.scheduler.register(request)) is not None:
+                self.runner.copy_slot(*copy)
         ready = [(i, r) for i, (_, r) in enumerate(rows) if r.pending == 0]
         if not ready:
             return []

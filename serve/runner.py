@@ -8,6 +8,7 @@ always has the width of `max_model_len`: nothing recompiles in steady state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.decoder import PagedState, init_pools
+from k3jax.layers.kda import KDACache
 from k3jax.model import K3Model
 from k3jax.placement import layer_cache_shardings
 from serve.cache import CacheLayout
@@ -39,6 +41,16 @@ def _step(graphdef, params, pools, tokens, lengths, offsets, slots, page_table):
     model = nnx.merge(graphdef, params)
     logits, state = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), last_only=True)
     return logits, state.layers
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_slot(pools, source, target):
+    """Copies one KDA slot (state and conv window, every layer) to another; MLA pages are untouched."""
+    def copy(pool):
+        if isinstance(pool, KDACache):
+            return jax.tree.map(lambda a: a.at[:, target].set(a[:, source]), pool)
+        return pool
+    return tuple(tuple(copy(c) for c in seg) for seg in pools)
 
 
 class Runner:
@@ -69,6 +81,11 @@ class Runner:
             table[i, :len(pages)] = pages
         logits, self.pools = self._call(tokens, lengths, offsets, slots, table)
         return logits
+
+    def copy_slot(self, source: int, target: int) -> None:
+        """Copies a KDA slot: a prefix-cache snapshot into a request's slot, or the other way round."""
+        with jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext():
+            self.pools = _copy_slot(self.pools, jnp.int32(source), jnp.int32(target))
 
     def _call(self, *arrays):
         model = self.model

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 
 from serve.cache import CacheAllocator
+from serve.prefix_cache import PrefixCache
 
 
 class Status(enum.Enum):
@@ -37,6 +38,8 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     logprobs: list[dict] = dataclasses.field(default_factory=list)  # per output token, when asked for
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache hash of each full page
+    restore_from: int | None = None  # a prefix-cache snapshot slot to copy into `slot` before running
 
     @property
     def tokens(self) -> list[int]:
@@ -61,6 +64,8 @@ class Scheduler:
     def __init__(self, allocator: CacheAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_chunk: int, max_prefill_rows: int):
         self.allocator = allocator
+        self.prefix_cache: PrefixCache | None = allocator.prefix_cache
+        self.page_size = allocator.layout.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
@@ -102,10 +107,12 @@ class Scheduler:
             if slot is None:
                 break
             request.slot = slot
+            if self.prefix_cache is not None:
+                request.hashes, request.pages, request.restore_from = self.prefix_cache.lookup(request.tokens)
+                request.computed = len(request.pages) * self.page_size
             chunk = self._chunk(request, budget)
             if not chunk:
-                self.allocator.free([], slot)
-                request.slot = None
+                self._release(request)
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
@@ -120,14 +127,38 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
-        self.allocator.free(request.pages, request.slot)
-        request.pages, request.slot = [], None
+        self._release(request)
         request.status, request.finish_reason = Status.FINISHED, reason
+
+    def snapshot_boundary(self, request: Request) -> int:
+        """Where a request's KDA state is snapshotted for the prefix cache: its last page boundary
+        before its last known token (a hit must leave one token to compute)."""
+        return (len(request.prompt) + len(request.output) - 1) // self.page_size * self.page_size
+
+    def register(self, request: Request) -> tuple[int, int] | None:
+        """After a step: caches the request's newly filled pages. Returns (request slot, snapshot slot)
+        when the request just reached its snapshot boundary and its state should be copied there."""
+        cache = self.prefix_cache
+        full, start = request.computed // self.page_size, len(request.hashes)
+        if full > start:
+            hashes = cache.chain(request.tokens, start, full, request.hashes[-1] if request.hashes else b"")
+            for page, h in zip(request.pages[start:full], hashes):
+                cache.insert(h, page)
+            request.hashes += hashes
+        boundary = self.snapshot_boundary(request)
+        if boundary and request.computed == boundary and cache.wants_snapshot(request.hashes[boundary // self.page_size - 1]):
+            slot = self.allocator.allocate_slot()
+            if slot is not None:
+                cache.set_snapshot(request.hashes[boundary // self.page_size - 1], slot)
+                return request.slot, slot
+        return None
 
     def _chunk(self, request: Request, budget: int) -> int:
         """The largest chunk of the request's pending tokens that fits the budget and the free pages
         (0 when not even one token fits); its pages are reserved."""
         chunk = min(request.pending, budget, self.max_prefill_chunk)
+        if self.prefix_cache is not None and request.computed < self.snapshot_boundary(request):
+            chunk = min(chunk, self.snapshot_boundary(request) - request.computed)  # end where the snapshot is taken
         while chunk > 0 and not self._reserve(request, chunk):
             chunk = min(chunk - 1, self._fits(request))
         return max(chunk, 0)
@@ -147,10 +178,14 @@ class Scheduler:
         request.pages.extend(pages)
         return True
 
+    def _release(self, request: Request) -> None:
+        """Frees (or hands back to the prefix cache) everything the request holds."""
+        self.allocator.free(request.pages, request.slot)
+        request.pages, request.slot, request.computed, request.hashes, request.restore_from = [], None, 0, [], None
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.allocator.free(request.pages, request.slot)
-        request.pages, request.slot, request.computed = [], None, 0
+        self._release(request)
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -47,16 +47,19 @@ def run_all(engine, prompts, max_tokens):
 
 
 def assert_pool_full(engine):
+    engine.reset_prefix_cache()  # cached pages and snapshots nobody uses go back too
     layout = engine.layout
     assert engine.allocator.free_pages == layout.num_pages - 1 and engine.allocator.free_slots == layout.num_slots - 1
 
 
-@pytest.fixture(scope="module")
-def engine(model):
-    """One engine for the tests (its compiled steps are reused): pages of 4 tokens, prefill chunks of
-    at most 16 (long prompts span several steps), and 60 pages, fewer than 4 long requests need."""
+@pytest.fixture(scope="module", params=[False, True], ids=["no-prefix-cache", "prefix-cache"])
+def engine(model, request):
+    """One engine per mode for the tests (its compiled steps are reused): pages of 4 tokens, prefill
+    chunks of at most 16 (long prompts span several steps), and 60 pages, fewer than 4 long requests
+    need. Every test runs with prefix caching off and on: on must give the same tokens."""
     engine = Engine(model, EngineOptions(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=24,
-                                         max_prefill_chunk=16, max_prefill_rows=2, block_size=4, num_gpu_blocks=60))
+                                         max_prefill_chunk=16, max_prefill_rows=2, block_size=4, num_gpu_blocks=60,
+                                         enable_prefix_caching=request.param))
     engine.warmup()
     return engine
 
@@ -154,6 +157,22 @@ def test_logprobs_are_the_models_log_softmax(model, engine):
         assert token == top[0] and set(entry) == set(top.tolist())
         for t, value in entry.items():
             assert abs(value - row[t]) < 1e-4  # fp32 log-softmax of the same logits
+
+
+def test_shared_prefixes_hit_the_cache_and_give_the_same_tokens(model, engine):
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 512, 37).tolist()
+    # the whole prompt again, a longer one, one sharing 30 tokens (7.5 pages), and one sharing none
+    prompts = [base, base, base + [1, 2, 3, 4, 5], base[:30] + [9] * 9, base[:30] + [8] * 12, [4] + base]
+    hits = engine.prefix_cache.hit_tokens if engine.prefix_cache else 0
+    for prompt in prompts:  # one at a time, so each can hit what the previous ones left
+        assert run_all(engine, [prompt], [5]) == [reference_greedy(model, prompt, 5)]
+    if engine.prefix_cache is not None:
+        # base again and base + 5 each resume from the snapshot after base's 9 full pages (36 tokens).
+        # base[:30] + 9s and + 8s share 7.5 pages with base and 7.5 with each other: no snapshot ends
+        # inside that, so they miss; [4] + base shares nothing.
+        assert engine.prefix_cache.hit_tokens - hits == 36 + 36
+    assert_pool_full(engine)
 
 
 def test_bad_requests_are_refused_and_lose_nothing(model, engine):

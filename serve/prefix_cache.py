@@ -1,0 +1,109 @@
+"""Hybrid prefix caching: full MLA pages keyed by a hash chain, and KDA state snapshots.
+
+A page of `page_size` tokens is cached under the hash of (the previous page's hash, its tokens), so a
+hash names the whole prefix up to the page's end. MLA rows of a cached page are shared read-only:
+a request only ever writes rows past its cached prefix, in pages of its own. The KDA recurrence
+cannot restart from the middle, so a prefix is usable only up to a page boundary where a snapshot
+of every KDA layer's state (and conv window) was taken, kept in a spare slot of the slot pool. The
+engine snapshots each prompt at its last full page (the prefill chunk is cut to end there).
+
+Entries nobody uses are evicted least recently used first when pages or slots run out. A hit
+and a miss give the same tokens: the hit resumes from exactly the state the miss would compute.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Entry:
+    page: int
+    refs: int = 0  # running requests using the page
+    snapshot: int | None = None  # slot holding the KDA state after this page
+
+
+class PrefixCache:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()  # LRU first
+        self.by_page: dict[int, bytes] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    def chain(self, tokens: list[int], first: int, end: int, previous: bytes = b"") -> list[bytes]:
+        """Hashes of full pages first..end-1 of `tokens`, continuing from the hash of page first-1."""
+        hashes = []
+        for i in range(first, end):
+            page = np.asarray(tokens[i * self.page_size:(i + 1) * self.page_size], np.int64).tobytes()
+            previous = hashlib.blake2b(previous + page, digest_size=16).digest()
+            hashes.append(previous)
+        return hashes
+
+    def lookup(self, prompt: list[int]) -> tuple[list[bytes], list[int], int | None]:
+        """The longest cached prefix of `prompt` that ends at a snapshot and leaves at least one token
+        to compute: (hashes, pages, snapshot slot); the pages are referenced for the caller."""
+        hashes = self.chain(prompt, 0, (len(prompt) - 1) // self.page_size)
+        self.queried_tokens += len(prompt)
+        usable = 0
+        for i, h in enumerate(hashes):
+            entry = self.entries.get(h)
+            if entry is None:
+                break
+            if entry.snapshot is not None:
+                usable = i + 1
+        hashes = hashes[:usable]
+        for h in hashes:
+            self.entries[h].refs += 1
+            self.entries.move_to_end(h)
+        self.hit_tokens += usable * self.page_size
+        return hashes, [self.entries[h].page for h in hashes], self.entries[hashes[-1]].snapshot if hashes else None
+
+    def insert(self, h: bytes, page: int) -> bool:
+        """Registers a request's newly filled page (it holds one reference); False if the prefix is
+        already cached (under another page, which stays the cached one)."""
+        if h in self.entries:
+            return False
+        self.entries[h] = Entry(page, refs=1)
+        self.by_page[page] = h
+        return True
+
+    def holds(self, page: int) -> bool:
+        return page in self.by_page
+
+    def release(self, page: int) -> None:
+        entry = self.entries[self.by_page[page]]
+        entry.refs -= 1
+
+    def wants_snapshot(self, h: bytes) -> bool:
+        entry = self.entries.get(h)
+        return entry is not None and entry.snapshot is None
+
+    def set_snapshot(self, h: bytes, slot: int) -> None:
+        self.entries[h].snapshot = slot
+
+    def evict(self) -> tuple[int, int | None] | None:
+        """Drops the least recently used entry nobody references: (its page, its snapshot slot or None)."""
+        for h, entry in self.entries.items():
+            if entry.refs == 0:
+                del self.entries[h]
+                del self.by_page[entry.page]
+                return entry.page, entry.snapshot
+        return None
+
+    def evict_snapshot(self) -> int | None:
+        """Frees the least recently used snapshot slot (a copy: requests that resumed from it hold their
+        own state; the pages stay cached)."""
+        for entry in self.entries.values():
+            if entry.snapshot is not None:
+                slot, entry.snapshot = entry.snapshot, None
+                return slot
+        return None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
