@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -22,8 +23,9 @@ def report(name: str, rows: list[dict], note: str = "") -> str:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = os.path.join(RESULTS_DIR, f"{name}.json")
-    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "note": note}
+    meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "note": note}
     with open(path, "w") as f:
         json.dump({"benchmark": name, "meta": meta, "rows": rows}, f, indent=2)
     return path
