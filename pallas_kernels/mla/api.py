@@ -1,27 +1,31 @@
-"""MLA attention ops. `impl="auto"` picks XLA everywhere until the Pallas kernels land ([kernels])."""
+"""MLA attention ops (DESIGN.md 3): naive-form prefill, padded or packed, and absorbed-form decode over
+a contiguous cache or a page pool.
+
+impl: "auto" (the Pallas-Triton kernels on GPU when the shapes suit them, the XLA path otherwise),
+"xla", "reference" or "pallas" (pallas_triton.py; off a GPU it runs in interpret mode, slow, for
+tests). Pallas needs: prefill, Dqk a multiple of 16 (split into power-of-2 pieces, 192 = 128 + 64)
+and Dv a power of 2 >= 16; decode, C a multiple of 16 whose largest power-of-2 piece is value_width
+(576 = 512 + 64) and page_size a power of 2 >= 16 (K3: 64).
+"""
 
 from __future__ import annotations
 
-from pallas_kernels.mla import reference, xla
+import jax
+import jax.numpy as jnp
 
-_IMPLS = {"xla": xla, "reference": reference}
+from pallas_kernels.mla import pallas_triton, reference, xla
 
-
-def _module(impl: str):
-    if impl == "auto":
-        return xla
-    if impl == "pallas":
-        raise ValueError("impl='pallas': the Pallas MLA kernels are not available yet; use 'auto' or 'xla'")
-    if impl not in _IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; choose 'auto', 'xla' or 'reference'")
-    return _IMPLS[impl]
+_IMPLS = ("auto", "xla", "reference", "pallas")
+_FP8 = (jnp.float8_e4m3fn,)
+_CONTIGUOUS_PAGE = 64  # latent_decode_attention's Pallas path views the cache as pages of this many rows
 
 
 def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto"):
     """Naive-form (prefill) MLA attention.
 
     q [B, T, H, Dqk] are the queries of positions q_offset[b] + t; k [B, S, H, Dqk] and
-    v [B, S, H, Dv] hold positions 0..S-1 of each sequence, of which the first kv_length[b] are valid.
+    v [B, S, H, Dv] hold positions 0..S-1 of each sequence, of which the first kv_length[b] are valid
+    (a cached prefix expanded from pages, then the new tokens: how chunked prefill sees its cache).
     Key s is visible to query t iff s <= q_offset[b] + t and s < kv_length[b]. Softmax in fp32.
     Returns [B, T, H, Dv] in q's dtype; a query that sees no key gets zeros.
     """
@@ -29,7 +33,63 @@ def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto")
         raise ValueError(f"q {q.shape} and k {k.shape} must be [B, T, H, D] and [B, S, H, D]")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v {v.shape} must match k {k.shape} in [B, S, H]")
-    return _module(impl).causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale)
+    args = dict(q_offset=q_offset, kv_length=kv_length, scale=scale)
+    if _resolve(impl, _prefill_fits(q, v), f"q {q.shape}, v {v.shape}") == "pallas":
+        return pallas_triton.causal_attention(q, k, v, **args, interpret=_interpret())
+    return _module(impl).causal_attention(q, k, v, **args)
+
+
+def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q: int | None = None,
+                            impl: str = "auto"):
+    """Packed variable-length prefill, flash-attn's varlen convention.
+
+    q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; cu_seqlens_q, cu_seqlens_k int32 [N + 1] offsets
+    (from 0). Sequence n's queries are rows cu_seqlens_q[n]:cu_seqlens_q[n + 1] and its keys rows
+    cu_seqlens_k[n]:cu_seqlens_k[n + 1]; its queries are the LAST q_len of its k_len positions
+    (causal within the sequence). Rows past cu_seqlens_q[N] get zeros. max_seqlen_q (static, optional)
+    bounds the longest query run and sizes the Pallas grid; without it the grid covers Tq per sequence.
+    Returns [Tq, H, Dv] in q's dtype.
+    """
+    if q.ndim != 3 or k.ndim != 3 or k.shape[1:] != q.shape[1:]:
+        raise ValueError(f"q {q.shape} and k {k.shape} must be [Tq, H, D] and [Tk, H, D]")
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"v {v.shape} must match k {k.shape} in [Tk, H]")
+    if cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k {cu_seqlens_k.shape} must both be [N + 1]")
+    args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale)
+    if _resolve(impl, _prefill_fits(q, v), f"q {q.shape}, v {v.shape}") == "pallas":
+        return pallas_triton.varlen_causal_attention(q, k, v, **args, max_seqlen_q=max_seqlen_q,
+                                                     interpret=_interpret())
+    return _module(impl).varlen_causal_attention(q, k, v, **args)
+
+
+def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, value_width: int = 512,
+                           kv_scale=None, impl: str = "auto"):
+    """Absorbed-form (decode) MLA attention over a page pool.
+
+    q_latent [B, H, C]: per head, the query mapped into latent space joined with the shared-key
+    part. pages [P, page_size, C], bf16 or float8_e4m3fn: rows [normalised latent | shared key],
+    shared by all heads. Sequence b's row s is pages[page_table[b, s // page_size], s % page_size]
+    for s < kv_length[b]; table entries past that are ignored (any id), and a length of 0 gives
+    zeros. kv_scale: fp32 scalar, true row = stored * kv_scale (required for fp8 pages).
+    Returns the attention-weighted latent [B, H, value_width] in q_latent's dtype.
+    """
+    b = q_latent.shape[0] if q_latent.ndim == 3 else None
+    if q_latent.ndim != 3 or pages.ndim != 3 or pages.shape[2] != q_latent.shape[2]:
+        raise ValueError(f"q_latent {q_latent.shape} and pages {pages.shape} must be [B, H, C] and [P, page_size, C]")
+    if page_table.ndim != 2 or page_table.shape[0] != b or kv_length.shape != (b,):
+        raise ValueError(f"page_table {page_table.shape} and kv_length {kv_length.shape} must be [B, max_pages] "
+                         f"and [B] with B = {b}")
+    if not 0 < value_width <= pages.shape[2]:
+        raise ValueError(f"value_width {value_width} must be in (0, {pages.shape[2]}]")
+    if pages.dtype in _FP8 and kv_scale is None:
+        raise ValueError(f"pages of dtype {pages.dtype} need kv_scale (true value = stored * kv_scale)")
+    args = dict(scale=scale, value_width=value_width, kv_scale=kv_scale)
+    if _resolve(impl, _decode_fits(pages.shape[1], pages.shape[2], value_width),
+                f"pages {pages.shape}, value_width {value_width}") == "pallas":
+        return pallas_triton.paged_decode_attention(q_latent, pages, page_table, kv_length, **args,
+                                                    interpret=_interpret())
+    return _module(impl).paged_decode_attention(q_latent, pages, page_table, kv_length, **args)
 
 
 def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: int, impl: str = "auto"):
@@ -38,8 +98,48 @@ def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: i
     q_latent [B, H, C]: per head, the query mapped into latent space (W_UK^T q_nope) joined with the
     shared-key part q_rope; cache [B, S, C] rows are [normalised latent | shared key]; the first
     kv_length[b] rows are valid. Returns the attention-weighted latent [B, H, value_width].
+    The Pallas path views the cache as pages of PAGE rows (padded to a whole page).
     """
     if q_latent.ndim != 3 or cache.ndim != 3 or q_latent.shape[2] != cache.shape[2]:
         raise ValueError(f"q_latent {q_latent.shape} and cache {cache.shape} must be [B, H, C] and [B, S, C]")
+    if _resolve(impl, _decode_fits(_CONTIGUOUS_PAGE, cache.shape[2], value_width),
+                f"cache {cache.shape}, value_width {value_width}") == "pallas":
+        b, s, c = cache.shape
+        cache = jnp.pad(cache, ((0, 0), (0, -s % _CONTIGUOUS_PAGE), (0, 0)))
+        pages_per_row = cache.shape[1] // _CONTIGUOUS_PAGE
+        table = jnp.arange(b * pages_per_row, dtype=jnp.int32).reshape(b, pages_per_row)
+        return pallas_triton.paged_decode_attention(
+            q_latent, cache.reshape(-1, _CONTIGUOUS_PAGE, c), table, kv_length, scale=scale,
+            value_width=value_width, interpret=_interpret())
     return _module(impl).latent_decode_attention(q_latent, cache, kv_length=kv_length, scale=scale,
                                                  value_width=value_width)
+
+
+def _prefill_fits(q, v) -> bool:
+    dv = v.shape[-1]
+    return pallas_triton.fits_dot(q.shape[-1]) and dv >= pallas_triton.MIN_DOT and dv & (dv - 1) == 0
+
+
+def _decode_fits(page_size: int, width: int, value_width: int) -> bool:
+    pieces = pallas_triton.column_pieces(width)
+    return (pallas_triton.fits_dot(width) and pieces[0][1] == value_width
+            and page_size >= pallas_triton.MIN_DOT and page_size & (page_size - 1) == 0)
+
+
+def _resolve(impl: str, pallas_fits: bool, shapes: str) -> str:
+    """The implementation to run; refuses impl='pallas' on shapes the kernels do not take."""
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(map(repr, _IMPLS))}")
+    if impl == "auto":
+        return "pallas" if pallas_fits and jax.default_backend() == "gpu" else "xla"
+    if impl == "pallas" and not pallas_fits:
+        raise ValueError(f"impl='pallas' does not take these shapes ({shapes}); see pallas_kernels.mla.api")
+    return impl
+
+
+def _module(impl: str):
+    return reference if impl == "reference" else xla
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"

@@ -21,6 +21,42 @@ def causal_attention(q, k, v, *, q_offset, kv_length, scale):
     return out.astype(q.dtype)
 
 
+def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale):
+    """Packed q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; sequence n owns query rows
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and key rows cu_seqlens_k[n]:cu_seqlens_k[n + 1], its queries
+    being the last q_len of its k_len positions. Rows past the last sequence get zeros."""
+    lo, hi = varlen_key_ranges(cu_seqlens_q, cu_seqlens_k, q.shape[0])
+    s = jnp.arange(k.shape[0])
+    mask = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None])
+    logits = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) * scale
+    probs = _masked_softmax(logits, mask[None])
+    return jnp.einsum("hts,shd->thd", probs, v.astype(jnp.float32)).astype(q.dtype)
+
+
+def varlen_key_ranges(cu_seqlens_q, cu_seqlens_k, total_q: int):
+    """Per packed query row, the packed key rows [lo, hi) it sees (empty past the last sequence)."""
+    row = jnp.arange(total_q)
+    seq = jnp.searchsorted(cu_seqlens_q[1:], row, side="right")  # the sequence that owns each row
+    in_batch = seq < cu_seqlens_q.shape[0] - 1
+    seq = jnp.minimum(seq, cu_seqlens_q.shape[0] - 2)
+    k_first, k_last = cu_seqlens_k[seq], cu_seqlens_k[seq + 1]
+    position = (k_last - k_first) - (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) + row - cu_seqlens_q[seq]
+    hi = jnp.where(in_batch, jnp.minimum(k_first + position + 1, k_last), k_first)
+    return k_first, jnp.maximum(hi, k_first)
+
+
+def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, value_width, kv_scale=None):
+    """Absorbed-form decode over a page pool: sequence b's row s is pages[page_table[b, s // page_size],
+    s % page_size] (true value = stored * kv_scale), the first kv_length[b] rows valid."""
+    rows = pages.astype(jnp.float32) * (1.0 if kv_scale is None else kv_scale)
+    cache = rows[page_table].reshape(page_table.shape[0], -1, pages.shape[-1])
+    valid = jnp.arange(cache.shape[1])[None, :] < kv_length[:, None]
+    cache = jnp.where(valid[..., None], cache, 0.0)  # rows past the length may hold anything, NaN included
+    out = latent_decode_attention(q_latent.astype(jnp.float32), cache, kv_length=kv_length, scale=scale,
+                                  value_width=value_width)
+    return out.astype(q_latent.dtype)
+
+
 def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width):
     """Absorbed-form decode: q_latent [B, H, C] against cache [B, S, C] (C = latent + shared key).
 
