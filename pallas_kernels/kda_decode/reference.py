@@ -1,8 +1,9 @@
-"""The KDA decode step written plainly, one sequence row and one token at a time: the test oracle.
+"""The KDA decode step written plainly, one token at a time: the test oracle.
 
-Per row n (slot s = slots[n]) and token t, with the conv window X (the slot's W-1 pre-conv rows
-followed by the row's new ones) and the state S [H, K, V] in fp32:
-    u_t = silu(sum_j w[j] X[t + j])  (rounded to the activation dtype, as the model does)
+Per row n (slot s = slots[n]) and token t, carrying the conv window X (the W-1 pre-conv rows before
+t, first the slot's) and the state S [H, K, V] in fp32:
+    u_t = silu(sum_j w[j] [X, x_t][j])  (rounded to the activation dtype, as the model does)
+    X <- [X, x_t] less its first row
     q, k = l2norm(u_t[q]), l2norm(u_t[k]);  v = u_t[v]
     g = gate(f_t + dt_bias);  beta = sigmoid(beta_logits_t)
     S <- diag(exp(g)) S;  S <- S + k (beta (v - S^T k))^T;  o_t = S^T (K**-0.5 q)
@@ -40,31 +41,25 @@ def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, stat
     n, t, _, p = qkv.shape
     h = a_log.shape[0]
     d = p // h
-    width = conv_weight.shape[0]
-    outputs, windows, finals, all_states = [], [], [], []
-    for row in range(n):
-        slot = slots[row]
-        window = jnp.concatenate([conv_pool[slot].astype(qkv.dtype), qkv[row]], axis=0)  # [W-1+T, 3, P]
-        state = state_pool[slot]
-        o_row, states_row = [], []
-        for i in range(t):
-            taps = window[i:i + width].astype(jnp.float32)  # [W, 3, P]
-            u = jax.nn.silu(jnp.sum(taps * conv_weight, axis=0)).astype(qkv.dtype).astype(jnp.float32)
-            q, k, v = (u[c].reshape(h, d) for c in range(3))
-            q, k = l2_normalize(q), l2_normalize(k)
-            g = log_decay(f[row, i].reshape(h, d), dt_bias.reshape(h, d), a_log, gate_lower_bound)
-            beta = jax.nn.sigmoid(beta_logits[row, i].astype(jnp.float32))
-            state = state * jnp.exp(g)[:, :, None]
-            error = v - _einsum("hkv,hk->hv", state, k)
-            state = state + _einsum("hk,hv->hkv", k, beta[:, None] * error)
-            o_row.append(_einsum("hkv,hk->hv", state, d ** -0.5 * q))
-            states_row.append(state)
-        outputs.append(jnp.stack(o_row))
-        windows.append(window[t:])
-        finals.append(state)
-        all_states.append(jnp.stack(states_row))
-    o = jnp.stack(outputs).astype(qkv.dtype)
+
+    def token(carry, inputs):
+        window, state = carry  # [N, W-1, 3, P] pre-conv rows, [N, H, K, V]
+        x, f_t, beta_logits_t = inputs
+        taps = jnp.concatenate([window, x[:, None]], axis=1)  # [N, W, 3, P], the last one the current token
+        u = jax.nn.silu(jnp.sum(taps.astype(jnp.float32) * conv_weight, axis=1))
+        q, k, v = (u.astype(qkv.dtype).astype(jnp.float32)[:, c].reshape(n, h, d) for c in range(3))
+        q, k = l2_normalize(q), l2_normalize(k)
+        g = log_decay(f_t.reshape(n, h, d), dt_bias.reshape(h, d), a_log, gate_lower_bound)
+        beta = jax.nn.sigmoid(beta_logits_t.astype(jnp.float32))
+        state = state * jnp.exp(g)[..., None]
+        error = v - _einsum("nhkv,nhk->nhv", state, k)
+        state = state + _einsum("nhk,nhv->nhkv", k, beta[..., None] * error)
+        o = _einsum("nhkv,nhk->nhv", state, d ** -0.5 * q)
+        return (taps[:, 1:], state), (o, state)
+
+    inputs = tuple(jnp.moveaxis(x, 1, 0) for x in (qkv, f, beta_logits))  # scan over the T tokens
+    (window, state), (o, states) = jax.lax.scan(token, (conv_pool[slots].astype(qkv.dtype), state_pool[slots]), inputs)
+    o = jnp.moveaxis(o, 0, 1).astype(qkv.dtype)
     if return_states:
-        return o, jnp.stack(all_states)
-    conv_pool = conv_pool.at[slots].set(jnp.stack(windows).astype(conv_pool.dtype))
-    return o, conv_pool, state_pool.at[slots].set(jnp.stack(finals))
+        return o, jnp.moveaxis(states, 0, 1)
+    return o, conv_pool.at[slots].set(window.astype(conv_pool.dtype)), state_pool.at[slots].set(state)
