@@ -61,9 +61,12 @@ def test_sharded_logits_and_decode_match_one_device(reference, mesh):
     ids = np.random.default_rng(1).integers(0, 512, (8, 10), dtype=np.int32)
     want = reference.logits(ids)
     model = K3Model.random(reference.config, dtype="float32", seed=0, mesh=mesh)
-    # fp32; TP/EP change only the order of partial sums, amplified over 10 random layers
+    # fp32; TP/EP change only the order of partial sums, amplified over 10 random layers: 1e-5 relative
+    # as a whole (Frobenius; measured 6.7-6.9e-6), and no single logit off by more than 5e-5 of the largest
+    got = model.logits(ids)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     scale = np.abs(want).max()
-    np.testing.assert_allclose(model.logits(ids), want, rtol=0, atol=5e-5 * scale)
+    np.testing.assert_allclose(got, want, rtol=0, atol=5e-5 * scale)
     _, cache = model.prefill(ids[:, :7], max_len=12)
     for t in range(7, 10):
         step, cache = model.decode(ids[:, t], cache)
