@@ -170,12 +170,13 @@ def k3_shapes(t):
             sd((K3_ROWS,), jnp.int32))
 
 
-@pytest.mark.parametrize("return_states", [False, True], ids=["commit", "states"])
+@pytest.mark.parametrize(("return_states", "gate"), [(False, K3_GATE), (True, K3_GATE), (False, None)],
+                         ids=["commit", "states", "commit_softplus_gate"])
 @pytest.mark.parametrize("t", [1, 8])
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
-def test_lowers_to_triton_at_k3_shapes_with_pools_aliased(platform, t, return_states):
+def test_lowers_to_triton_at_k3_shapes_with_pools_aliased(platform, t, return_states, gate):
     def step(*args):
-        return pallas_triton.kda_decode(*args, gate_lower_bound=K3_GATE, return_states=return_states)
+        return pallas_triton.kda_decode(*args, gate_lower_bound=gate, return_states=return_states)
 
     text = lower_for_gpu(step, *k3_shapes(t), platform=platform)
     assert triton_call_count(text) == 1
