@@ -111,17 +111,22 @@ def test_packed_prefill_matches_reference(dtype, impl, small_blocks):
     assert not np.asarray(got[sum(Q_LENS):], np.float32).any()  # rows past the last sequence
 
 
-def test_packed_reference_equals_padded_reference():
-    """The two forms' references agree: sequence n of the packed form is row n of a padded batch with
-    q_offset = k_len - q_len."""
-    q, k, v, cu_q, cu_k = packed_inputs(jnp.float32, Q_LENS, K_LENS)
-    packed = reference.varlen_causal_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=0.2)
+def test_packed_reference_equals_numpy_per_sequence():
+    """The packed reference against a float64 NumPy loop: sequence n's query i sees its keys
+    0..k_len - q_len + i; rows past the last sequence are zero."""
+    q, k, v, cu_q, cu_k = (np.asarray(x, np.float64) for x in packed_inputs(jnp.float32, Q_LENS, K_LENS))
+    want = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
     for n, (q_len, k_len) in enumerate(zip(Q_LENS, K_LENS)):
-        rows_q, rows_k = slice(int(cu_q[n]), int(cu_q[n + 1])), slice(int(cu_k[n]), int(cu_k[n + 1]))
-        padded = reference.causal_attention(q[None, rows_q], k[None, rows_k], v[None, rows_k],
-                                            q_offset=jnp.asarray([k_len - q_len]), kv_length=jnp.asarray([k_len]),
-                                            scale=0.2)
-        np.testing.assert_allclose(packed[rows_q], padded[0], rtol=1e-6, atol=1e-6)
+        q0, k0 = int(cu_q[n]), int(cu_k[n])
+        for i in range(q_len):
+            seen = slice(k0, k0 + k_len - q_len + i + 1)
+            logits = np.einsum("hd,shd->hs", q[q0 + i], k[seen]) * 0.2
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            want[q0 + i] = np.einsum("hs,shd->hd", p / p.sum(-1, keepdims=True), v[seen])
+    got = reference.varlen_causal_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+                                            cu_seqlens_q=jnp.asarray(cu_q, jnp.int32),
+                                            cu_seqlens_k=jnp.asarray(cu_k, jnp.int32), scale=0.2)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)  # fp32 against float64 over <= 41 keys
 
 
 # -------------------------------------------------------------------------------------------- decode
