@@ -75,17 +75,29 @@ def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, A_log, beta_logits, stat
     return fn(*args, gate_lower_bound=gate_lower_bound, return_states=return_states)
 
 
-@jax.jit
 def commit_accepted(conv_pool, state_pool, slots, qkv, states, accepted):
     """After a return_states=True step: each row's slot gets the state and conv window after its
-    first accepted[n] tokens (int32 [N], 1..T). Returns (conv_pool, state_pool), scattered in place
-    under jit when the pools are donated. qkv and states are the step's input and output."""
+    first accepted[n] tokens (int32 [N], 1..T; padding rows may hold anything). Returns
+    (conv_pool, state_pool), scattered in place under jit when the pools are donated. qkv and states
+    are the step's input and output."""
+    n, t = jnp.shape(qkv)[:2]
+    expected = {"states": (states, (n, t, *jnp.shape(state_pool)[1:])), "slots": (slots, (n,)),
+                "accepted": (accepted, (n,))}
+    for name, (x, shape) in expected.items():
+        if jnp.shape(x) != shape:
+            raise ValueError(f"{name} has shape {jnp.shape(x)}, expected {shape} (from qkv {jnp.shape(qkv)} and "
+                             f"state_pool {jnp.shape(state_pool)})")
+    return _commit(conv_pool, state_pool, slots, qkv, states, accepted)
+
+
+@jax.jit
+def _commit(conv_pool, state_pool, slots, qkv, states, accepted):
     n, t = qkv.shape[:2]
-    keep = conv_pool.shape[1]
+    accepted = jnp.clip(accepted, 1, t)
     window = jnp.concatenate([conv_pool[slots].astype(qkv.dtype), qkv], axis=1)  # [N, W-1+T, 3, P]
-    rows = accepted[:, None] + jnp.arange(keep)[None, :]
+    rows = accepted[:, None] + jnp.arange(conv_pool.shape[1])[None, :]  # the W-1 rows ending at the last accepted token
     conv = jnp.take_along_axis(window, rows[:, :, None, None], axis=1)
-    state = states[jnp.arange(n), jnp.clip(accepted, 1, t) - 1]
+    state = states[jnp.arange(n), accepted - 1]
     return conv_pool.at[slots].set(conv.astype(conv_pool.dtype)), state_pool.at[slots].set(state)
 
 

@@ -96,7 +96,7 @@ def _kernel(slots_ref, a_log_ref, qkv_ref, conv_weight_ref, conv_pool_ref, f_ref
 def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, state_pool, slots, *,
                gate_lower_bound, return_states, interpret=False):
     """Arguments and results as api.kda_decode; the head size a power of 2 of at least 16."""
-    n, t, _, p = qkv.shape
+    n, t = qkv.shape[:2]
     h, d = state_pool.shape[1], state_pool.shape[2]
     o = jax.ShapeDtypeStruct((n, t, h, d), qkv.dtype)
     if return_states:

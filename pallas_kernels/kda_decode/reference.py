@@ -38,7 +38,7 @@ def l2_normalize(x):
 def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, state_pool, slots, *,
                gate_lower_bound, return_states):
     """Arguments and results as api.kda_decode."""
-    n, t, _, p = qkv.shape
+    n, _, _, p = qkv.shape
     h = a_log.shape[0]
     d = p // h
 

@@ -27,11 +27,11 @@ STATE_REL = 1e-5
 BF16_REL = 2.0 ** -7
 
 
-def make_inputs(t, dtype=jnp.bfloat16, seed=0, n=len(SLOTS)):
+def make_inputs(t, dtype=jnp.bfloat16, seed=0):
     """Arguments of kda_decode (before the keywords), slot 0 filled with NaN: garbage that no real
     row may see."""
     rng = np.random.default_rng(seed)
-    p = H * D
+    n, p = len(SLOTS), H * D
 
     def normal(*shape, scale=1.0):
         return scale * rng.standard_normal(shape)
@@ -43,7 +43,7 @@ def make_inputs(t, dtype=jnp.bfloat16, seed=0, n=len(SLOTS)):
             jnp.asarray(conv_pool, dtype), jnp.asarray(normal(n, t, p), jnp.float32),
             jnp.asarray(normal(p), jnp.float32), jnp.asarray(normal(H), jnp.float32),
             jnp.asarray(normal(n, t, H), dtype), jnp.asarray(state_pool, jnp.float32),
-            jnp.asarray(SLOTS[:n], jnp.int32))
+            jnp.asarray(SLOTS, jnp.int32))
 
 
 def assert_close(actual, expected, rel):
@@ -58,8 +58,8 @@ def assert_same_step(result, expected):
     real_slots = np.array(SLOTS)[REAL]
     assert_close(o[REAL], ref_o[REAL], BF16_REL)
     assert_close(state[real_slots], ref_state[real_slots], STATE_REL)
-    np.testing.assert_array_equal(np.asarray(conv[real_slots], np.float32), np.asarray(ref_conv[real_slots], np.float32))
-    np.testing.assert_array_equal(np.asarray(conv[UNUSED], np.float32), np.asarray(ref_conv[UNUSED], np.float32))
+    for slots in (real_slots, UNUSED):
+        np.testing.assert_array_equal(np.asarray(conv[slots], np.float32), np.asarray(ref_conv[slots], np.float32))
     np.testing.assert_array_equal(state[UNUSED], ref_state[UNUSED])
 
 
@@ -76,7 +76,7 @@ def spec_log_decay(f, dt_bias, a_log, lower_bound):
 @pytest.mark.parametrize("t", [1, 4])
 def test_reference_is_the_model_composition(t, gate):
     args = make_inputs(t, jnp.float32, seed=t)  # fp32: no bf16 rounding of the conv output to disagree on
-    qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, state_pool, slots = args
+    qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, state_pool, _ = args
     o, conv, state = kda_decode(*args, gate_lower_bound=gate, impl="reference")
 
     rows = np.array(SLOTS)[REAL]
@@ -84,8 +84,9 @@ def test_reference_is_the_model_composition(t, gate):
     u = _causal_conv_silu(window, conv_weight, t)
     q, k, v = (u[:, :, c].reshape(-1, t, H, D) for c in range(3))
     g = spec_log_decay(f[REAL], dt_bias, a_log, gate)
-    ref_o, ref_state = fused_recurrent_kda(q, k, v, g, jax.nn.sigmoid(beta_logits[REAL]), initial_state=state_pool[rows],
-                                           output_final_state=True, use_qk_l2norm_in_kernel=True, impl="reference")
+    beta = jax.nn.sigmoid(beta_logits[REAL])
+    ref_o, ref_state = fused_recurrent_kda(q, k, v, g, beta, initial_state=state_pool[rows], output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True, impl="reference")
     assert_close(o[REAL], ref_o, STATE_REL)  # fp32 throughout
     assert_close(state[rows], ref_state, STATE_REL)
     np.testing.assert_array_equal(conv[rows], window[:, t:])
@@ -155,6 +156,9 @@ def test_bad_arguments_name_the_argument():
             kda_decode(*args[:index], bad, *args[index + 1:])
     with pytest.raises(ValueError, match="impl"):
         kda_decode(*args, impl="triton")
+    states = jnp.zeros((len(SLOTS), 1, H, D, D))
+    with pytest.raises(ValueError, match="accepted"):
+        commit_accepted(args[2], args[7], args[8], args[0], states, jnp.ones((2,), jnp.int32))
 
 
 # K3 at TP8: 12 heads of 128, 64 rows, W = 4, bf16 activations and conv pool, fp32 states.
