@@ -17,7 +17,6 @@ from pallas_kernels.mla import pallas_triton, reference, xla
 
 _IMPLS = ("auto", "xla", "reference", "pallas")
 _FP8 = (jnp.float8_e4m3fn,)
-_CONTIGUOUS_PAGE = 64  # latent_decode_attention's Pallas path views the cache as pages of this many rows
 
 
 def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto"):
@@ -98,19 +97,19 @@ def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: i
     q_latent [B, H, C]: per head, the query mapped into latent space (W_UK^T q_nope) joined with the
     shared-key part q_rope; cache [B, S, C] rows are [normalised latent | shared key]; the first
     kv_length[b] rows are valid. Returns the attention-weighted latent [B, H, value_width].
-    The Pallas path views the cache as pages of PAGE rows (padded to a whole page).
     """
     if q_latent.ndim != 3 or cache.ndim != 3 or q_latent.shape[2] != cache.shape[2]:
         raise ValueError(f"q_latent {q_latent.shape} and cache {cache.shape} must be [B, H, C] and [B, S, C]")
-    if _resolve(impl, _decode_fits(_CONTIGUOUS_PAGE, cache.shape[2], value_width),
-                f"cache {cache.shape}, value_width {value_width}") == "pallas":
-        b, s, c = cache.shape
-        cache = jnp.pad(cache, ((0, 0), (0, -s % _CONTIGUOUS_PAGE), (0, 0)))
-        pages_per_row = cache.shape[1] // _CONTIGUOUS_PAGE
+    b, s, c = cache.shape
+    # The Pallas path views each row of the cache as consecutive pages: of up to 64 rows when S is a
+    # multiple of 16 (a free reshape), else the cache is padded to a multiple of 64 (a copy).
+    page = next((p for p in (64, 32, 16) if s % p == 0), 64)
+    if _resolve(impl, _decode_fits(page, c, value_width), f"cache {cache.shape}, value_width {value_width}") == "pallas":
+        cache = jnp.pad(cache, ((0, 0), (0, -s % page), (0, 0)))
+        pages_per_row = cache.shape[1] // page
         table = jnp.arange(b * pages_per_row, dtype=jnp.int32).reshape(b, pages_per_row)
-        return pallas_triton.paged_decode_attention(
-            q_latent, cache.reshape(-1, _CONTIGUOUS_PAGE, c), table, kv_length, scale=scale,
-            value_width=value_width, interpret=_interpret())
+        return pallas_triton.paged_decode_attention(q_latent, cache.reshape(-1, page, c), table, kv_length,
+                                                    scale=scale, value_width=value_width, interpret=_interpret())
     return _module(impl).latent_decode_attention(q_latent, cache, kv_length=kv_length, scale=scale,
                                                  value_width=value_width)
 

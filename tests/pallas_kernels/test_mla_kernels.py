@@ -208,12 +208,14 @@ def test_fp8_pages_approximate_the_true_values():
 
 
 def test_contiguous_latent_decode_through_the_paged_kernel():
-    """latent_decode_attention (the model's call) with impl='pallas': S = 70 is not a whole page."""
+    """latent_decode_attention (the model's call) with impl="pallas": S = 70 is padded to whole pages, S = 48 is
+    viewed as pages of 16 rows."""
     rng = np.random.default_rng(4)
-    q, cache = normal(rng, (2, 3, 80), jnp.bfloat16), normal(rng, (2, 70, 80), jnp.bfloat16)
-    kw = dict(kv_length=jnp.asarray([70, 64]), scale=0.1, value_width=64)
-    got = mla.latent_decode_attention(q, cache, impl="pallas", **kw)
-    assert_mix_close(got, reference.latent_decode_attention(q, cache, **kw), cache[..., :64], jnp.bfloat16)
+    for s, lengths in ((70, [70, 64]), (48, [48, 17])):
+        q, cache = normal(rng, (2, 3, 80), jnp.bfloat16), normal(rng, (2, s, 80), jnp.bfloat16)
+        kw = dict(kv_length=jnp.asarray(lengths), scale=0.1, value_width=64)
+        got = mla.latent_decode_attention(q, cache, impl="pallas", **kw)
+        assert_mix_close(got, reference.latent_decode_attention(q, cache, **kw), cache[..., :64], jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------- API
