@@ -11,9 +11,16 @@ Paged decode (`_paged_decode_kernel`), absorbed form: one program per (sequence,
 share of the sequence's pages (flash-decoding) with all heads of the sequence as the rows of one
 dot, so each cache row is read once per sequence; padded to at least 16 rows for the tensor cores.
 Each split writes a partial (max, sum, acc) in fp32 and `_combine_splits` (XLA, tiny) merges them.
+Page sizes: any power of 2 >= 16 (K3: 64); a program takes min(page_size, DECODE_ROWS) rows per step,
+so a step never crosses a page and reads one table entry. fp8 E4M3 pages are widened to q's dtype in
+registers (exact: e4m3 fits in bf16); kv_scale is folded into the softmax scale and the output.
 
 Dots of widths that are not powers of 2 (192 = 128 + 64, 576 = 512 + 64) are sums of dots over
 power-of-2 column pieces, loaded separately, rather than padded in memory.
+
+Not yet measured on a GPU: the block sizes, warps and stages are first choices (FA2-like 64 x 64
+blocks, four warps), checked only by lowering to Triton IR for sm_90 and gfx942 (the tests), not by
+compiling or timing; benchmarks/gpu_check_mla.py is the check.
 """
 
 from __future__ import annotations
@@ -56,9 +63,11 @@ def _as_array(x):
 
 def _online_softmax_step(carry, logits, visible, values_dot):
     """One block of the fp32 online softmax in base 2. logits [R, K] (already times log2 e), visible
-    [R, K]; values_dot(p) -> [R, Dv]. Rows that have seen no key keep max = -inf and sum = 0."""
+    [R, K] or None (all visible); values_dot(p) -> [R, Dv]. Rows that have seen no key keep
+    max = -inf and sum = 0."""
     peak, total, acc = carry
-    logits = jnp.where(visible, logits, -jnp.inf)
+    if visible is not None:
+        logits = jnp.where(visible, logits, -jnp.inf)
     new_peak = jnp.maximum(peak, jnp.max(logits, axis=1))
     safe_peak = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)  # exp2(-inf - 0) = 0, never NaN
     p = jnp.exp2(logits - safe_peak[:, None])
@@ -84,25 +93,31 @@ def _flash_kernel(scale_ref, q_start_ref, q_len_ref, k_start_ref, k_len_ref, q_o
     queries = [plgpu.load(q_ref.at[q_rows, head, pl.ds(off, w)], mask=q_valid[:, None], other=0)
                for off, w in column_pieces(q_ref.shape[-1])]
     # Keys past the block's last query (causal) or past k_len are never visible: stop before them.
+    # Blocks before the first query's diagonal that end within k_len are wholly visible: no masks.
     last_query = jnp.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
     k_end = jnp.minimum(k_len, q_offset + last_query + 1)
     num_k_blocks = jnp.where(q_block * BLOCK_Q < q_len, pl.cdiv(jnp.maximum(k_end, 0), BLOCK_K), 0)
+    num_full = jnp.minimum(jnp.minimum(q_offset + q_block * BLOCK_Q + 1, k_len) // BLOCK_K, num_k_blocks)
+    num_full = jnp.maximum(num_full, 0)
     k_start = k_start_ref[seq]
 
-    def key_block(j, carry):
+    def key_block(j, carry, masked):
         s = j * BLOCK_K + jnp.arange(BLOCK_K)
-        k_rows, k_valid = pl.ds(k_start + j * BLOCK_K, BLOCK_K), s < k_len
-        logits = sum(jax.lax.dot_general(
-            query, plgpu.load(k_ref.at[k_rows, head, pl.ds(off, w)], mask=k_valid[:, None], other=0),
-            (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            for query, (off, w) in zip(queries, column_pieces(k_ref.shape[-1])))
-        values = plgpu.load(v_ref.at[k_rows, head, :], mask=k_valid[:, None], other=0)
-        visible = k_valid[None, :] & (s[None, :] <= q_offset + t[:, None])
+        k_rows = pl.ds(k_start + j * BLOCK_K, BLOCK_K)
+        k_valid = s < k_len
+        load = functools.partial(plgpu.load, mask=k_valid[:, None], other=0) if masked else plgpu.load
+        logits = sum(jax.lax.dot_general(query, load(k_ref.at[k_rows, head, pl.ds(off, w)]),
+                                         (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                     for query, (off, w) in zip(queries, column_pieces(k_ref.shape[-1])))
+        values = load(v_ref.at[k_rows, head, :])
+        visible = k_valid[None, :] & (s[None, :] <= q_offset + t[:, None]) if masked else None
         return _online_softmax_step(carry, logits * qk_scale, visible,
                                     lambda p: jnp.dot(p.astype(values.dtype), values,
                                                       preferred_element_type=jnp.float32))
 
-    _, total, acc = jax.lax.fori_loop(0, num_k_blocks, key_block, _init_carry(BLOCK_Q, v_ref.shape[-1]))
+    carry = jax.lax.fori_loop(0, num_full, functools.partial(key_block, masked=False),
+                              _init_carry(BLOCK_Q, v_ref.shape[-1]))
+    _, total, acc = jax.lax.fori_loop(num_full, num_k_blocks, functools.partial(key_block, masked=True), carry)
     out = acc / jnp.where(total > 0, total, 1.0)[:, None]  # a query that sees no key gets zeros
     plgpu.store(o_ref.at[q_rows, head, :], out.astype(o_ref.dtype), mask=q_valid[:, None])
 
@@ -192,6 +207,7 @@ def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, val
     num_splits = num_splits_for(max_pages)
     pages_per_split = pl.cdiv(max_pages, num_splits)
     dequant = jnp.float32(1.0) if kv_scale is None else jnp.asarray(kv_scale, jnp.float32)
+    lengths = jnp.minimum(kv_length, max_pages * pages.shape[1]).astype(jnp.int32)  # never past the table
     head_rows = max(MIN_DOT, 1 << (h - 1).bit_length())  # the heads are the rows of a dot: >= 16
     q_latent_rows = jnp.pad(q_latent, ((0, 0), (0, head_rows - h), (0, 0)))
     kernel = functools.partial(_paged_decode_kernel, pages_per_split=pages_per_split)
@@ -205,8 +221,9 @@ def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, val
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="mla_paged_decode",
-    )(_as_array(scale * dequant), kv_length.astype(jnp.int32), page_table.astype(jnp.int32), q_latent_rows, pages)
-    return (_combine_splits(acc, peak, total)[:, :h] * dequant).astype(q_latent.dtype)
+    )(_as_array(scale * dequant), lengths, page_table.astype(jnp.int32), q_latent_rows, pages)
+    out = _combine_splits(acc[:, :, :h], peak[:, :, :h], total[:, :, :h])
+    return (out * dequant).astype(q_latent.dtype)
 
 
 def _combine_splits(acc, peak, total):
