@@ -32,7 +32,7 @@ def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto")
         raise ValueError(f"q {q.shape} and k {k.shape} must be [B, T, H, D] and [B, S, H, D]")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v {v.shape} must match k {k.shape} in [B, S, H]")
-    args = dict(q_offset=q_offset, kv_length=kv_length, scale=scale)
+    args = {"q_offset": q_offset, "kv_length": kv_length, "scale": scale}
     if _resolve(impl, _prefill_fits(q, v), f"q {q.shape}, v {v.shape}") == "pallas":
         return pallas_triton.causal_attention(q, k, v, **args, interpret=_interpret())
     return _module(impl).causal_attention(q, k, v, **args)
@@ -55,7 +55,7 @@ def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale, max_s
         raise ValueError(f"v {v.shape} must match k {k.shape} in [Tk, H]")
     if cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k {cu_seqlens_k.shape} must both be [N + 1]")
-    args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale)
+    args = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "scale": scale}
     if _resolve(impl, _prefill_fits(q, v), f"q {q.shape}, v {v.shape}") == "pallas":
         return pallas_triton.varlen_causal_attention(q, k, v, **args, max_seqlen_q=max_seqlen_q,
                                                      interpret=_interpret())
@@ -83,7 +83,7 @@ def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, val
         raise ValueError(f"value_width {value_width} must be in (0, {pages.shape[2]}]")
     if pages.dtype in _FP8 and kv_scale is None:
         raise ValueError(f"pages of dtype {pages.dtype} need kv_scale (true value = stored * kv_scale)")
-    args = dict(scale=scale, value_width=value_width, kv_scale=kv_scale)
+    args = {"scale": scale, "value_width": value_width, "kv_scale": kv_scale}
     if _resolve(impl, _decode_fits(pages.shape[1], pages.shape[2], value_width),
                 f"pages {pages.shape}, value_width {value_width}") == "pallas":
         return pallas_triton.paged_decode_attention(q_latent, pages, page_table, kv_length, **args,

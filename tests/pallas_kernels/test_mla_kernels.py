@@ -55,15 +55,15 @@ def padded_inputs(dtype, b=3, t=37, s=53, h=2, dqk=48, dv=32, seed=0):
 # Per row: a chunk after a cached prefix of 16 (keys = prefix + chunk); a plain prefill whose last
 # key block is partial; queries before any key (negative offset: the first 5 see nothing) with
 # kv_length 0 past the last one.
-PADDED_CASES = dict(q_offset=[16, 0, -5], kv_length=[53, 37, 20])
+PADDED_CASES = {"q_offset": [16, 0, -5], "kv_length": [53, 37, 20]}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_padded_prefill_matches_reference(dtype, impl, small_blocks):
     q, k, v = padded_inputs(dtype)
-    kw = dict(q_offset=jnp.asarray(PADDED_CASES["q_offset"]), kv_length=jnp.asarray(PADDED_CASES["kv_length"]),
-              scale=0.2)
+    kw = {"q_offset": jnp.asarray(PADDED_CASES["q_offset"]), "kv_length": jnp.asarray(PADDED_CASES["kv_length"]),
+          "scale": 0.2}
     want = reference.causal_attention(q, k, v, **kw)
     got = (xla.causal_attention(q, k, v, kv_block=16, **kw) if impl == "xla"
            else mla.causal_attention(q, k, v, impl="pallas", **kw))
@@ -75,7 +75,7 @@ def test_padded_prefill_matches_reference(dtype, impl, small_blocks):
 def test_padded_prefill_single_query_and_empty_row():
     """T = 1 with the default blocks; a row with kv_length 0."""
     q, k, v = padded_inputs(jnp.float32, b=2, t=1, s=9)
-    kw = dict(q_offset=jnp.asarray([8, 0]), kv_length=jnp.asarray([9, 0]), scale=0.3)
+    kw = {"q_offset": jnp.asarray([8, 0]), "kv_length": jnp.asarray([9, 0]), "scale": 0.3}
     got = mla.causal_attention(q, k, v, impl="pallas", **kw)
     assert_mix_close(got, reference.causal_attention(q, k, v, **kw), v, jnp.float32)
     assert not np.asarray(got[1]).any()
@@ -85,7 +85,7 @@ def packed_inputs(dtype, q_lens, k_lens, tail_q=3, tail_k=2, h=2, dqk=48, dv=32,
     """Packed rows plus unowned rows after the last sequence; cu_seqlens int32 [N + 1]."""
     rng = np.random.default_rng(seed)
     tq, tk = sum(q_lens) + tail_q, sum(k_lens) + tail_k
-    cu = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)  # noqa: E731
+    cu = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     return (normal(rng, (tq, h, dqk), dtype), normal(rng, (tk, h, dqk), dtype), normal(rng, (tk, h, dv), dtype),
             cu(q_lens), cu(k_lens))
 
@@ -99,7 +99,7 @@ Q_LENS, K_LENS = [20, 32, 1, 0, 1], [37, 32, 1, 5, 41]
 @pytest.mark.parametrize("impl", ["xla", "pallas", "pallas_max_seqlen"])
 def test_packed_prefill_matches_reference(dtype, impl, small_blocks):
     q, k, v, cu_q, cu_k = packed_inputs(dtype, Q_LENS, K_LENS)
-    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=0.2)
+    kw = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "scale": 0.2}
     want = reference.varlen_causal_attention(q, k, v, **kw)
     if impl == "xla":
         got = xla.varlen_causal_attention(q, k, v, kv_block=16, **kw)
@@ -164,7 +164,7 @@ def test_paged_decode_bf16_matches_reference(impl, page_size, monkeypatch):
     monkeypatch.setattr(pallas_triton, "PAGES_PER_SPLIT", 2)
     lengths = [n * page_size // 16 for n in LENGTHS_16]
     q, pages, table, lengths, _ = paged_inputs(page_size, lengths)
-    kw = dict(scale=0.1, value_width=64)
+    kw = {"scale": 0.1, "value_width": 64}
     want = reference.paged_decode_attention(q, pages, table, lengths, **kw)
     got = (xla.paged_decode_attention(q, pages, table, lengths, kv_block=32, **kw) if impl == "xla"
            else mla.paged_decode_attention(q, pages, table, lengths, impl="pallas", **kw))
@@ -179,7 +179,7 @@ def test_paged_decode_fp8_matches_reference(impl, monkeypatch):
     monkeypatch.setattr(pallas_triton, "PAGES_PER_SPLIT", 2)
     kv_scale = 0.25
     q, pages, table, lengths, _ = paged_inputs(16, LENGTHS_16, pages_dtype=jnp.float8_e4m3fn, kv_scale=kv_scale)
-    kw = dict(scale=0.1, value_width=64, kv_scale=jnp.float32(kv_scale))
+    kw = {"scale": 0.1, "value_width": 64, "kv_scale": jnp.float32(kv_scale)}
     want = reference.paged_decode_attention(q, pages, table, lengths, **kw)
     fn = functools.partial(xla.paged_decode_attention, kv_block=32) if impl == "xla" else functools.partial(
         mla.paged_decode_attention, impl="pallas")
@@ -213,7 +213,7 @@ def test_contiguous_latent_decode_through_the_paged_kernel():
     rng = np.random.default_rng(4)
     for s, lengths in ((70, [70, 64]), (48, [48, 17])):
         q, cache = normal(rng, (2, 3, 80), jnp.bfloat16), normal(rng, (2, s, 80), jnp.bfloat16)
-        kw = dict(kv_length=jnp.asarray(lengths), scale=0.1, value_width=64)
+        kw = {"kv_length": jnp.asarray(lengths), "scale": 0.1, "value_width": 64}
         got = mla.latent_decode_attention(q, cache, impl="pallas", **kw)
         assert_mix_close(got, reference.latent_decode_attention(q, cache, **kw), cache[..., :64], jnp.bfloat16)
 
@@ -222,7 +222,7 @@ def test_contiguous_latent_decode_through_the_paged_kernel():
 
 def test_auto_is_xla_off_gpu():
     q, k, v = padded_inputs(jnp.float32, b=1, t=4, s=4)
-    kw = dict(q_offset=jnp.asarray([0]), kv_length=jnp.asarray([4]), scale=0.3)
+    kw = {"q_offset": jnp.asarray([0]), "kv_length": jnp.asarray([4]), "scale": 0.3}
     np.testing.assert_array_equal(mla.causal_attention(q, k, v, **kw), xla.causal_attention(q, k, v, **kw))
 
 
