@@ -104,14 +104,24 @@ class MultiHeadLatentAttention(nnx.Module):
                 page_size, max_pages = cache.pages.shape[1], batch.page_table.shape[1]
                 page_ids = jnp.take_along_axis(batch.page_table, jnp.minimum(positions // page_size, max_pages - 1), 1)
                 cache = cache.write(jnp.where(batch.valid, page_ids, 0), positions % page_size, new_rows)
-                rows = cache.gather(batch.page_table, x.dtype)
+                pages = cache
+
+                def attend(q_full):  # decode reads the pages in place, through the page table
+                    return mla_ops.paged_decode_attention(q_full, pages.pages, batch.page_table, offsets + 1,
+                                                          scale=scale, value_width=cfg.kv_lora_rank,
+                                                          kv_scale=pages.scale)
             else:
-                rows = cache.latent.at[jnp.arange(b)[:, None], positions].set(new_rows.astype(cache.latent.dtype),
-                                                                              mode="drop")
-                cache = MLACache(rows)
+                latent = cache.latent.at[jnp.arange(b)[:, None], positions].set(new_rows.astype(cache.latent.dtype),
+                                                                                mode="drop")
+                cache = MLACache(latent)
+
+                def attend(q_full):
+                    return mla_ops.latent_decode_attention(q_full, latent.astype(q_full.dtype), kv_length=offsets + 1,
+                                                           scale=scale, value_width=cfg.kv_lora_rank)
             if t == 1:
-                o = self._absorbed(q_nope[:, 0], q_rope[:, 0], rows, offsets + 1, scale)[:, None]
-            else:
+                o = self._absorbed(q_nope[:, 0], q_rope[:, 0], attend)[:, None]
+            else:  # a prefill chunk after cached tokens: the naive form over the whole context
+                rows = cache.gather(batch.page_table, x.dtype) if isinstance(cache, MLAPages) else cache.latent
                 o = self._naive(q_nope, q_rope, rows, offsets, offsets + t, scale)
         o = o.reshape(b, t, heads * cfg.v_head_dim)
         if cfg.mla_use_output_gate:
@@ -139,14 +149,13 @@ class MultiHeadLatentAttention(nnx.Module):
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
         return mla_ops.causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale)
 
-    def _absorbed(self, q_nope, q_rope, rows, kv_length, scale):
-        """q_nope [B, heads, nope], q_rope [B, heads, rope] -> [B, heads, v] over the latent rows."""
+    def _absorbed(self, q_nope, q_rope, attend):
+        """q_nope [B, heads, nope], q_rope [B, heads, rope] -> [B, heads, v]: the query mapped into the
+        latent space, `attend` (latent queries -> attention-weighted latent rows), then W_UV."""
         w_uk, w_uv = self._up_weights()
         q_latent = jnp.einsum("bhn,chn->bhc", q_nope, w_uk.astype(q_nope.dtype),
                               preferred_element_type=jnp.float32).astype(q_nope.dtype)
-        q_full = jnp.concatenate([q_latent, q_rope], axis=-1)
-        out_latent = mla_ops.latent_decode_attention(q_full, rows.astype(q_full.dtype), kv_length=kv_length,
-                                                     scale=scale, value_width=self.cfg.kv_lora_rank)
+        out_latent = attend(jnp.concatenate([q_latent, q_rope], axis=-1))
         return jnp.einsum("bhc,chv->bhv", out_latent, w_uv.astype(out_latent.dtype),
                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
