@@ -23,13 +23,13 @@ FLOP count) by hand. Decode is memory bound: its TB/s counts reading and writing
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.report import report
+from benchmarks.timing import median_us, relative_error
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 
 REPEATS = 7
@@ -55,22 +55,6 @@ def chunk_flops(t: int) -> float:
     return float(per_chunk * -(-t // CHUNK) * HEADS)
 
 
-def median_us(fns, args):
-    """Median wall time of each function in microseconds, the runs interleaved."""
-    for fn in fns:
-        jax.block_until_ready(fn(*args))  # compile and warm up
-    times = [[] for _ in fns]
-    for _ in range(REPEATS):
-        for fn, runs in zip(fns, times):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(time.perf_counter() - start)
-    return [1e6 * float(np.median(runs)) for runs in times]
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
 def compare(op, impls, args, o_tolerance):
@@ -84,7 +68,7 @@ def compare(op, impls, args, o_tolerance):
     # state accumulates those over the whole sequence, hence the looser state bound.
     o_err, s_err = relative_error(o, ref_o), relative_error(s, ref_s)
     assert o_err < o_tolerance and s_err < 1e-3, f"{op.__name__}: o error {o_err:.2e}, state error {s_err:.2e}"
-    return median_us(fns, args), o_err, s_err
+    return median_us(fns, args, REPEATS), o_err, s_err
 
 
 def interpret_check() -> None:

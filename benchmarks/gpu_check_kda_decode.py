@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.report import report
+from benchmarks.timing import relative_error
 from pallas_kernels.kda_decode import kda_decode
 
 HEADS, DIM, WIDTH = 12, 128, 4
@@ -78,10 +79,6 @@ def median_us_per_step(impls, args):
             runs.append(time.perf_counter() - start)
     return [1e6 * float(np.median(runs)) / STEPS for runs in times]
 
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
 def check(impl, expected_impl, args, o_tolerance=1e-2, state_tolerance=1e-5):

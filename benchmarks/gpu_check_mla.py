@@ -15,13 +15,13 @@ warm-up, the two paths interleaved.
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.report import report
+from benchmarks.timing import median_us, relative_error
 from pallas_kernels.mla import causal_attention, paged_decode_attention
 
 REPEATS = 7
@@ -32,22 +32,6 @@ PEAK_TFLOPS, PEAK_TBPS = 990.0, 4.8  # H200: dense bf16, HBM
 TOLERANCE = 2.0 ** -6  # bf16 outputs and bf16 softmax weights on both paths, relative to the largest |output|
 
 
-def median_us(fns, args):
-    """Median wall time of each function in microseconds, the runs interleaved."""
-    for fn in fns:
-        jax.block_until_ready(fn(*args))  # compile and warm up
-    times = [[] for _ in fns]
-    for _ in range(REPEATS):
-        for fn, runs in zip(fns, times):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(time.perf_counter() - start)
-    return [1e6 * float(np.median(runs)) for runs in times]
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
 def compare(fns, args, name):
@@ -55,7 +39,7 @@ def compare(fns, args, name):
     got, want = (fn(*args) for fn in fns)
     error = relative_error(got, want)
     assert error < TOLERANCE, f"{name}: Pallas vs XLA relative error {error:.2e}"
-    return median_us(fns, args), error
+    return median_us(fns, args, REPEATS), error
 
 
 def prefill_inputs(t: int, seed: int = 0):

@@ -21,13 +21,13 @@ H200's 4.8 TB/s at decode sizes. TFLOP/s counts 2 * (real rows) * 3 * F * D (bf1
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.report import report
+from benchmarks.timing import median_us, relative_error
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import Mxfp4Tensor, expert_ffn
 
@@ -63,22 +63,6 @@ def routed_rows(m: int, real: int, num_experts: int, d: int, seed: int = 0):
     return jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16), jnp.asarray(sizes, jnp.int32)
 
 
-def median_us(fns, args):
-    """Median wall time of each function in microseconds, the runs interleaved."""
-    for fn in fns:
-        jax.block_until_ready(fn(*args))  # compile and warm up
-    times = [[] for _ in fns]
-    for _ in range(REPEATS):
-        for fn, runs in zip(fns, times):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(time.perf_counter() - start)
-    return [1e6 * float(np.median(runs)) for runs in times]
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
 def measure(m: int, real: int, weights, impls=("pallas", "xla")) -> dict:
@@ -90,7 +74,7 @@ def measure(m: int, real: int, weights, impls=("pallas", "xla")) -> dict:
     args = (x, sizes, *weights)
     error = relative_error(*(fn(*args) for fn in fns))
     assert error < TOLERANCE, f"M={m}: pallas and xla differ by {error:.2e} of the largest output"
-    pallas_us, xla_us = median_us(fns, args)
+    pallas_us, xla_us = median_us(fns, args, REPEATS)
     active = int(np.count_nonzero(np.asarray(sizes)))
     weight_bytes = active * 3 * f * d * (1 / 2 + 1 / 32)  # packed codes + one scale byte per 32
     flops = 2.0 * real * 3 * f * d

@@ -9,13 +9,13 @@ same machine load, and each figure is the median of REPEATS runs.
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.report import report
+from benchmarks.timing import median_us
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 
 REPEATS = 7
@@ -32,18 +32,6 @@ def inputs(t: int, heads: int, dim: int):
     return q, k, v, g, beta
 
 
-def median_ms(fns, args):
-    """Median wall time of each function in ms, the runs interleaved."""
-    for fn in fns:
-        jax.block_until_ready(fn(*args))  # compile and warm up
-    times = [[] for _ in fns]
-    for _ in range(REPEATS):
-        for fn, runs in zip(fns, times):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(time.perf_counter() - start)
-    return [1e3 * float(np.median(runs)) for runs in times]
-
 
 def main() -> None:
     options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, impl="xla")
@@ -55,7 +43,7 @@ def main() -> None:
         o_c, s_c = chunked(*args)
         o_r, s_r = recurrent(*args)
         assert np.allclose(o_c, o_r, atol=1e-4) and np.allclose(s_c, s_r, atol=1e-4), "the paths disagree"
-        chunked_ms, recurrent_ms = median_ms([chunked, recurrent], args)
+        chunked_ms, recurrent_ms = (t / 1e3 for t in median_us([chunked, recurrent], args, REPEATS))
         rows.append({"H": heads, "K=V": dim, "T": t, "chunked_ms": chunked_ms, "recurrent_ms": recurrent_ms,
                      "speedup": recurrent_ms / chunked_ms})
     report("kda_chunked_vs_recurrent", rows,
