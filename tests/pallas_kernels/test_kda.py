@@ -117,7 +117,8 @@ def test_k3_gates_fast_path():
         assert_close(s[b], ref_s, FP32_REL)
 
 
-@pytest.mark.parametrize(("fn", "impl"), IMPLS[:2], ids=IMPL_IDS[:2])
+@pytest.mark.parametrize(("fn", "impl"), [*IMPLS[:2], (chunk_kda, "pallas"), (fused_recurrent_kda, "pallas")],
+                         ids=[*IMPL_IDS[:2], "chunk-pallas", "recurrent-pallas"])
 def test_bf16_inputs(fn, impl):
     q, k, v, g, beta = inputs(T, b=1, seed=7)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g, beta)]
