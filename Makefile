@@ -18,7 +18,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,serve]'
 	@touch $(STAMP)
 
 test: $(STAMP)

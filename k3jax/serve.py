@@ -1,17 +1,107 @@
-"""`python -m k3jax.serve`: the OpenAI-compatible server entry point.
-
-The engine and HTTP server are the [engine] and [server] issues; until they land this command says
-so and exits with an error instead of pretending to serve.
+"""`python -m k3jax.serve`: the OpenAI-compatible server (flags named as vLLM's where the concept is
+the same). Without `--model` it serves the embedded k3-tiny, written on first use, so a new
+machine needs nothing but this command. It loads the model, compiles every step shape, binds the
+port and prints the URL; from then on requests are answered.
 """
 
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import socket
 import sys
 
+import uvicorn
 
-def main() -> int:
-    print("k3jax.serve: the serving engine and the OpenAI-compatible server are not implemented yet "
-          "(issues [engine] and [server]); the model itself is usable through k3jax.from_pretrained.",
-          file=sys.stderr)
-    return 2
+from k3jax.loading import from_pretrained
+from serve.api_server import ServerConfig, build_app
+from serve.async_engine import AsyncEngine
+from serve.engine import KV_CACHE_DTYPES, Engine, EngineOptions
+from serve.llm import DEFAULT_MODEL, default_model_dir, load_tokenizer
+from sharding import distributed
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = EngineOptions()
+    parser = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (Hugging Face or converted); default: the "
+                                        "embedded k3-tiny")
+    parser.add_argument("--served-model-name", help="the name clients use in `model` (default: --model, "
+                                                    "or k3-tiny)")
+    parser.add_argument("--mesh", default="1x1", help="device mesh, e.g. 8x2 (see sharding/mesh.py)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (the printed URL says which)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="weights and activations (auto: bfloat16)")
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_prefill_rows,
+                        help="prompts prefilled in one step")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per MLA page")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, help="one budget for MLA pages and KDA slots")
+    parser.add_argument("--num-gpu-blocks-override", type=int, help="exactly this many MLA pages")
+    parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=sorted(KV_CACHE_DTYPES))
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_prefix_caching)
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed of requests without one")
+    parser.add_argument("--speculative-config", type=json.loads,
+                        help='JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 7}\'')
+    parser.add_argument("--max-queued-requests", type=int, default=256,
+                        help="requests that may wait beyond the running batch; more get 503")
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    # TESTING ONLY: lets chat requests force the model's output, to test the parsers end to end.
+    parser.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
+    distributed.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.speculative_config is not None:
+        parser.error("--speculative-config: speculative decoding (DSpark) is not available in the engine yet")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)  # jax may have configured the root logger already
+    if distributed.initialize(args.coordinator, args.num_processes, args.process_id):
+        # Every process would have to run the same engine steps on the same requests, which needs
+        # process 0 to broadcast its schedule; until then one process serves.
+        print("k3jax.serve: multi-host serving is not supported yet; run one process per server",
+              file=sys.stderr)
+        return 2
+
+    path = args.model or default_model_dir()
+    options = EngineOptions(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_prefill_rows=args.max_num_partial_prefills, block_size=args.block_size,
+                            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                            num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
+                            enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+    log = logging.getLogger("k3jax.serve")
+    log.info("loading %s", path)
+    model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
+                            mesh=None if args.mesh == "1x1" else args.mesh)
+    engine = Engine(model, options, tokenizer=load_tokenizer(path))
+    log.info("compiling the engine's step shapes (%s)", dataclasses.asdict(options))
+    engine.warmup()
+
+    config = ServerConfig(model_name=args.served_model_name or args.model or DEFAULT_MODEL, model_path=path,
+                          api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                          enable_test_hooks=args.enable_test_hooks)
+    app = build_app(AsyncEngine(engine, max_queued_requests=args.max_queued_requests), config)
+    # Bound before the URL is printed: a client that reads it can connect at once (it waits in the
+    # listen backlog until uvicorn accepts), and --port 0 has its real port to print.
+    sock = socket.create_server((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    print(f"k3jax.serve: {config.model_name} at http://{host}:{port}/v1", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""Engine outputs in OpenAI's response shapes: one object per choice, whole or as stream deltas.
+
+A choice's engine output grows token by token (`RequestOutput.text` is the text so far). Streams
+send only what is new, holding back the last characters that could still turn out to be the start
+of a stop string (the engine cuts the text where a stop string begins, so text sent before would
+otherwise have to be taken back). Chat text goes through the K3 output parsers: reasoning,
+content and tool calls.
+"""
+
+from __future__ import annotations
+
+from serve.chat import Delta, OutputParser, Tokenizer, make_tool_call_id, parse_output
+from serve.engine import RequestOutput
+
+# JSON has no -Infinity: a token the model rules out entirely gets this logprob, as in vLLM.
+MIN_LOGPROB = -9999.0
+
+
+def usage(outputs: dict[int, RequestOutput], n: int) -> dict:
+    """Token counts of a request's finished outputs; each prompt counts once, not once per choice."""
+    prompt = sum(len(output.prompt_token_ids) for index, output in outputs.items() if index % n == 0)
+    completion = sum(len(output.token_ids) for output in outputs.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Progress:
+    """How much of a choice's output a stream has sent."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.sent_chars = 0
+        self.sent_tokens = 0
+
+    def new_text(self, output: RequestOutput) -> str:
+        text = output.text or ""
+        end = len(text) if output.finished else max(self.sent_chars, len(text) - self.holdback)
+        new, self.sent_chars = text[self.sent_chars:end], end
+        return new
+
+    def new_tokens(self, output: RequestOutput) -> tuple[list[int], list[dict]]:
+        """The ids and logprob entries of the tokens not sent yet."""
+        start, self.sent_tokens = self.sent_tokens, len(output.token_ids)
+        return output.token_ids[start:], (output.logprobs or [])[start:]
+
+
+class ChatChoice:
+    """One choice of a chat completion."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer, *, thinking: bool, tools: list | None,
+                 stop: tuple[str, ...], top_logprobs: int | None):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.thinking = thinking
+        self.tools = tools  # None when calls are not parsed (no tools, or tool_choice "none")
+        self.top_logprobs = top_logprobs  # None: no logprobs
+        self._progress = _Progress(stop)
+        self._parser = OutputParser(thinking=thinking, tools=tools, stream_reasoning=True)
+        self._called_tools = False
+
+    def whole(self, output: RequestOutput) -> dict:
+        parsed = parse_output(output.text or "", thinking=self.thinking, tools=self.tools)
+        message = {"role": "assistant", "content": parsed.content, "reasoning_content": parsed.reasoning_content}
+        if parsed.tool_calls:
+            message["tool_calls"] = [{"id": make_tool_call_id(), "type": "function", "function": call}
+                                     for call in parsed.tool_calls]
+        logprobs = self._logprobs(output.token_ids, output.logprobs) if self.top_logprobs is not None else None
+        return {"index": self.index, "message": message, "logprobs": logprobs,
+                "finish_reason": self._finish_reason(output, bool(parsed.tool_calls))}
+
+    def first_delta(self) -> dict:
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, output: RequestOutput) -> dict | None:
+        """The stream chunk's choice for what `output` adds, or None when nothing is new yet."""
+        deltas = [self._parser.feed(self._progress.new_text(output))]
+        if output.finished:
+            deltas.append(self._parser.finish())
+        delta = _joined(deltas)
+        self._called_tools |= "tool_calls" in delta
+        tokens, entries = self._progress.new_tokens(output)
+        logprobs = self._logprobs(tokens, entries) if self.top_logprobs is not None and tokens else None
+        if not delta and logprobs is None and not output.finished:
+            return None
+        finish_reason = self._finish_reason(output, self._called_tools) if output.finished else None
+        return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    @staticmethod
+    def _finish_reason(output: RequestOutput, called_tools: bool) -> str:
+        return "tool_calls" if called_tools else output.finish_reason
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict]) -> dict:
+        content = []
+        for token_id, entry in zip(token_ids, entries):
+            top = sorted(entry.items(), key=lambda item: -item[1])[:self.top_logprobs]
+            content.append({**self._token(token_id, entry[token_id]),
+                            "top_logprobs": [self._token(i, logprob) for i, logprob in top]})
+        return {"content": content}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, MIN_LOGPROB),
+                "bytes": list(raw)}
+
+
+def _joined(deltas: list[Delta]) -> dict:
+    """Parser deltas as one OpenAI `delta` object, with only the fields that have something."""
+    joined = {}
+    reasoning = "".join(d.reasoning_content or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    calls = [call for d in deltas for call in d.tool_calls]
+    if reasoning:
+        joined["reasoning_content"] = reasoning
+    if content:
+        joined["content"] = content
+    if calls:
+        joined["tool_calls"] = calls
+    return joined
+
+
+class CompletionChoice:
+    """One choice of a (legacy) text completion."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer | None, *, stop: tuple[str, ...], logprobs: int | None):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.num_logprobs = logprobs  # None: no logprobs
+        self._progress = _Progress(stop)
+        self._text_offset = 0
+
+    def whole(self, output: RequestOutput) -> dict:
+        logprobs = self._logprobs(output.token_ids, output.logprobs) if self.num_logprobs is not None else None
+        return {"index": self.index, "text": output.text or "", "logprobs": logprobs,
+                "finish_reason": output.finish_reason}
+
+    def delta(self, output: RequestOutput) -> dict | None:
+        text = self._progress.new_text(output)
+        tokens, entries = self._progress.new_tokens(output)
+        logprobs = self._logprobs(tokens, entries) if self.num_logprobs is not None and tokens else None
+        if not text and logprobs is None and not output.finished:
+            return None
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict]) -> dict:
+        """OpenAI's legacy shape: parallel lists, top alternatives as {token text: logprob}."""
+        tokens, chosen, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            text = self._text(token_id)
+            tokens.append(text)
+            chosen.append(max(entry[token_id], MIN_LOGPROB))
+            best = sorted(entry.items(), key=lambda item: -item[1])[:self.num_logprobs]
+            top.append({self._text(i): max(logprob, MIN_LOGPROB) for i, logprob in best})
+            offsets.append(self._text_offset)
+            self._text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": top, "text_offset": offsets}
+
+    def _text(self, token_id: int) -> str:
+        if self.tokenizer is None:  # a token-ids-only model
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")

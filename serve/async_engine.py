@@ -1,0 +1,227 @@
+"""The engine behind the HTTP server: one thread owns the `Engine` and does all of its work.
+
+The event loop never calls the engine. Submissions and aborts reach the engine thread through one
+thread-safe inbox, in order (an abort never overtakes its submission); the thread runs
+`Engine.step()` while there is work and sleeps on the inbox when there is none, and hands every
+output to its submitter's asyncio queue with `loop.call_soon_threadsafe`. The requests in the
+engine are bounded (the running batch plus `max_queued_requests` waiting), so a flood of requests
+is answered with 503s instead of growing memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+
+from serve.engine import Engine, RequestOutput
+from serve.metrics import ServerMetrics
+from serve.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The engine holds as many requests as it may; the client should retry later (503)."""
+
+
+class EngineDead(Exception):
+    """The engine thread has stopped; nothing more will be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, max_queued_requests: int, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self.capacity = engine.options.max_num_seqs + max_queued_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._num_requests = 0  # submitted and not yet finished; guarded by _lock
+        self._lock = threading.Lock()
+        self._group_ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Engine-thread state: request id -> its group, its index there and its token timings.
+        self._requests: dict[str, _Tracked] = {}
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer  # immutable and thread-safe: the HTTP layer may use it
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.options.max_model_len
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def submit(self, requests: list[tuple[str | list[int], SamplingParams]]) -> RequestGroup:
+        """Queues (prompt, params) requests as one group and returns it once the engine accepted
+        them all. Raises QueueFull when they do not fit, ValueError naming the problem when the
+        engine refuses one (then none of them runs), EngineDead when the engine thread is gone."""
+        if not self.is_alive():
+            raise EngineDead("the engine has stopped")
+        if len(requests) > self.capacity:
+            raise ValueError(f"{len(requests)} sequences in one request; this server holds at most "
+                             f"{self.capacity} at once")
+        with self._lock:
+            if self._num_requests + len(requests) > self.capacity:
+                self.metrics.requests_rejected.inc()
+                raise QueueFull(f"the server is at capacity ({self.capacity} requests); retry later")
+            self._num_requests += len(requests)
+        group_id = next(self._group_ids)
+        group = RequestGroup(self._inbox, [f"{group_id}-{i}" for i in range(len(requests))],
+                             asyncio.get_running_loop(), time.monotonic())
+        self._inbox.put(_Submit(group, requests))
+        try:
+            accepted = await group.queue.get()
+        except asyncio.CancelledError:  # the client left while we waited: take the requests back out
+            group.abort()
+            raise
+        if isinstance(accepted, BaseException):
+            raise accepted
+        return group
+
+    # The engine thread.
+
+    def _run(self) -> None:
+        while True:
+            commands = self._take_commands(wait=not self.engine.has_unfinished())
+            if _STOP in commands:
+                return
+            try:
+                for command in commands:
+                    self._submit(command) if isinstance(command, _Submit) else self._abort(command)
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+            except Exception as error:  # an engine bug: fail what is in flight, keep serving new requests
+                logger.exception("engine step failed; failing the %d requests in flight", len(self._requests))
+                self._fail_all(error)
+            self.metrics.observe_engine(self.engine)
+
+    def _take_commands(self, wait: bool) -> list:
+        commands = [self._inbox.get()] if wait else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _submit(self, submit: _Submit) -> None:
+        group = submit.group
+        try:
+            for index, (request_id, (prompt, params)) in enumerate(zip(group.request_ids, submit.requests)):
+                self.engine.add_request(prompt, params, request_id)
+                self._requests[request_id] = _Tracked(group, index)
+        except Exception as error:  # ValueError: a bad prompt; the group runs whole or not at all
+            for request_id in group.request_ids:
+                if self._requests.pop(request_id, None) is not None:
+                    self.engine.abort(request_id)
+            self._release(len(group.request_ids))
+            group.post(error)
+            return
+        group.post(None)  # accepted
+
+    def _abort(self, abort: _Abort) -> None:
+        for request_id in abort.request_ids:
+            if self._requests.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+                self.metrics.requests_finished.labels("abort").inc()
+                self._release(1)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            tracked = self._requests.get(output.request_id)
+            if tracked is None:
+                continue
+            new_tokens = len(output.token_ids) - tracked.num_tokens
+            if new_tokens:
+                if tracked.num_tokens == 0:
+                    self.metrics.time_to_first_token.observe(now - tracked.group.arrival)
+                    self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+                else:
+                    for _ in range(new_tokens):
+                        self.metrics.inter_token_latency.observe((now - tracked.last_token_time) / new_tokens)
+                self.metrics.generation_tokens.inc(new_tokens)
+                tracked.num_tokens, tracked.last_token_time = len(output.token_ids), now
+            tracked.group.post((tracked.index, output))
+            if output.finished:
+                del self._requests[output.request_id]
+                self.metrics.requests_finished.labels(output.finish_reason).inc()
+                self._release(1)
+
+    def _fail_all(self, error: Exception) -> None:
+        requests, self._requests = self._requests, {}
+        for request_id, tracked in requests.items():
+            tracked.group.post(error)
+            self.engine.abort(request_id)
+        self._release(len(requests))
+
+    def _release(self, count: int) -> None:
+        with self._lock:
+            self._num_requests -= count
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt and choice). Iterating yields
+    (index, RequestOutput) until every one has finished; `abort` cancels those still running."""
+
+    def __init__(self, inbox: queue.SimpleQueue, request_ids: list[str], loop: asyncio.AbstractEventLoop,
+                 arrival: float):
+        self.request_ids = request_ids
+        self.arrival = arrival
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._inbox = inbox
+        self._loop = loop
+        self._unfinished = set(range(len(request_ids)))
+
+    def post(self, item) -> None:
+        """Hands an item to the group's queue (from the engine thread)."""
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def __aiter__(self):
+        while self._unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            index, output = item
+            if output.finished:
+                self._unfinished.discard(index)
+            yield index, output
+
+    def abort(self) -> None:
+        if self._unfinished:
+            self._inbox.put(_Abort([self.request_ids[i] for i in self._unfinished]))
+            self._unfinished.clear()
+
+
+@dataclasses.dataclass
+class _Submit:
+    group: RequestGroup
+    requests: list[tuple[str | list[int], SamplingParams]]
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclasses.dataclass
+class _Tracked:
+    group: RequestGroup
+    index: int
+    num_tokens: int = 0
+    last_token_time: float = 0.0
+
+
+_STOP = object()
