@@ -1,0 +1,302 @@
+"""The OpenAI-compatible server end to end: `python -m k3jax.serve` in a subprocess on the embedded
+k3-tiny, driven by the official `openai` client (raw HTTP where the client cannot send the request).
+
+One server per module (per xdist worker), with small engine options so that it compiles few step
+shapes: 2 running sequences, 16-token prefill chunks, 32 more requests queued.
+"""
+
+import concurrent.futures
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEY = "test-key"
+MODEL = "k3-tiny"
+MAX_RUNNING, MAX_QUEUED = 2, 32
+MAX_BODY_BYTES = 1 << 16
+STARTUP_TIMEOUT_S = 600
+USER = [{"role": "user", "content": "hi"}]
+LONG = {"ignore_eos": True}  # extra_body: random weights may sample EOS early
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+# Spec F #3: reasoning, an empty response and one call.
+TOOL_CALL_OUTPUT = ('Need weather.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>'
+                    '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+                    '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+                    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
+                    '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+
+
+class Server:
+    def __init__(self, url: str):
+        self.url = url  # http://host:port/v1
+        self.host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        self.port = int(port)
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=300)
+
+    def request(self, method: str, path: str, body=None, headers=None) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=300)
+        connection.request(method, path, body=body, headers=headers or {},
+                           encode_chunked=body is not None and not isinstance(body, bytes))
+        response = connection.getresponse()
+        return response.status, response.read()
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name (with labels) -> value."""
+        with urllib.request.urlopen(f"http://{self.host}:{self.port}/metrics") as response:
+            text = response.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "K3JAX_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--api-key", API_KEY,
+               "--max-model-len", "1024", "--max-num-seqs", str(MAX_RUNNING), "--max-num-batched-tokens", "16",
+               "--max-num-partial-prefills", "1", "--max-queued-requests", str(MAX_QUEUED),
+               "--max-request-body-bytes", str(MAX_BODY_BYTES), "--enable-test-hooks", "--log-level", "warning"]
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+                                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        url = _wait_for_url(process, log)
+        yield Server(url)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def _wait_for_url(process, log) -> str:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()  # the server prints one line, the URL, when it is ready
+        if "http://" in line:
+            return line.split()[-1]
+        if not line and process.poll() is not None:
+            break
+    pytest.fail(f"the server did not start:\n{log.read_text()[-5000:]}")
+
+
+def chat(server, **kwargs):
+    return server.client().chat.completions.create(**{"model": MODEL, "messages": USER, **kwargs})
+
+
+def streamed_chat(server, **kwargs) -> tuple[dict, list]:
+    """The joined deltas of a one-choice stream: reasoning, content, tool calls, finish reason; and its chunks."""
+    chunks = list(chat(server, stream=True, **kwargs))
+    joined = {"reasoning_content": "", "content": "", "tool_calls": [], "finish_reason": None}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            joined["reasoning_content"] += getattr(delta, "reasoning_content", None) or ""
+            joined["content"] += delta.content or ""
+            joined["tool_calls"] += delta.tool_calls or []
+            joined["finish_reason"] = choice.finish_reason or joined["finish_reason"]
+    return joined, chunks
+
+
+def assert_pool_full_and_serving(server):
+    """Every page and slot back in the free lists (polled: aborts are processed between steps), and a
+    new request completes."""
+    deadline = time.monotonic() + 60
+    while True:
+        m = server.metrics()
+        idle = m["k3jax:num_requests_running"] == 0 and m["k3jax:num_requests_waiting"] == 0
+        if idle and m["k3jax:cache_free_pages"] == m["k3jax:cache_pages"] \
+                and m["k3jax:cache_free_slots"] == m["k3jax:cache_slots"]:
+            break
+        assert time.monotonic() < deadline, f"the cache pool did not come back: {m}"
+        time.sleep(0.2)
+    assert chat(server, max_tokens=3, temperature=0, extra_body=LONG).usage.completion_tokens == 3
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+    assert server.request("GET", "/health") == (200, b'{"status":"ok"}')
+
+
+def test_greedy_chat_stream_equals_non_stream(server):
+    whole = chat(server, max_tokens=12, temperature=0, extra_body=LONG)
+    message = whole.choices[0].message
+    joined, chunks = streamed_chat(server, max_tokens=12, temperature=0, extra_body=LONG,
+                                   stream_options={"include_usage": True})
+    assert joined["reasoning_content"] == (message.reasoning_content or "")
+    assert joined["content"] == (message.content or "")
+    assert joined["finish_reason"] == whole.choices[0].finish_reason == "length"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.usage.completion_tokens == 12
+
+
+def test_completions_whole_stream_batch_and_logprobs(server):
+    client = server.client()
+    whole = client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0, logprobs=2,
+                                      extra_body=LONG)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 6
+    assert len(choice.logprobs.tokens) == 6 and all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    streamed = client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0, stream=True,
+                                         extra_body=LONG)
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    batch = client.completions.create(model=MODEL, prompt=[[104, 101, 108, 108, 111], [104, 105]], max_tokens=6,
+                                      temperature=0, n=2, extra_body=LONG)
+    texts = {c.index: c.text for c in batch.choices}
+    assert sorted(texts) == [0, 1, 2, 3] and texts[0] == texts[1] == choice.text  # token ids of "hello"
+
+
+def test_seeded_choices_differ_and_repeat(server):
+    def run():
+        return [c.message.reasoning_content for c in chat(server, n=3, max_tokens=8, seed=7, extra_body=LONG).choices]
+    first = run()
+    assert first == run() and len(set(first)) > 1
+
+
+def test_chat_logprobs(server):
+    choice = chat(server, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, extra_body=LONG).choices[0]
+    content = choice.logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob for t in content)  # greedy picks the best token
+
+
+def test_stop_string_cuts_stream_and_whole_alike(server):
+    kwargs = {"max_tokens": 12, "temperature": 0, "extra_body": {**LONG, "chat_template_kwargs": {"thinking": False}}}
+    text = chat(server, **kwargs).choices[0].message.content
+    stop = text[3:5]
+    whole = chat(server, stop=[stop], **kwargs).choices[0]
+    joined, _ = streamed_chat(server, stop=[stop], **kwargs)
+    assert whole.finish_reason == joined["finish_reason"] == "stop"
+    assert whole.message.content == joined["content"] == text[:text.find(stop)]
+
+
+def test_tool_call_parsed_whole_and_streamed_then_round_trip(server):
+    forced = {"k3jax_test_forced_output": TOOL_CALL_OUTPUT}
+    choice = chat(server, tools=[WEATHER_TOOL], extra_body=forced).choices[0]
+    call = choice.message.tool_calls[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Need weather."
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    assert call.id.startswith("chatcmpl-tool-") and len(call.id) == len("chatcmpl-tool-") + 16
+    joined, _ = streamed_chat(server, tools=[WEATHER_TOOL], extra_body=forced)
+    assert joined["finish_reason"] == "tool_calls" and joined["reasoning_content"] == "Need weather."
+    assert [(c.function.name, c.function.arguments) for c in joined["tool_calls"]] == \
+           [(call.function.name, call.function.arguments)]
+    # tool_choice none: the same output is not parsed for calls
+    assert chat(server, tools=[WEATHER_TOOL], tool_choice="none", extra_body=forced).choices[0].message.tool_calls is None
+    # the call and its result sent back render into a prompt the engine runs
+    history = USER + [choice.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert chat(server, messages=history, tools=[WEATHER_TOOL], max_tokens=2).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("switch", [{"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}},
+                                    {"chat_template_kwargs": {"enable_thinking": False}}])
+def test_thinking_off_gives_content_only(server, switch):
+    forced = {"k3jax_test_forced_output": "Hi there!<|close|>response<|sep|><|close|>message<|sep|>"}
+    message = chat(server, extra_body={**forced, **switch}).choices[0].message
+    assert message.content == "Hi there!" and message.reasoning_content is None
+
+
+def test_metrics_count_requests_and_tokens(server):
+    before = server.metrics()
+    chat(server, max_tokens=5, temperature=0, extra_body=LONG)
+    after = server.metrics()
+    finished = 'k3jax:request_success_total{finished_reason="length"}'
+    assert after[finished] - before.get(finished, 0) == 1
+    assert after["k3jax:generation_tokens_total"] - before["k3jax:generation_tokens_total"] == 5
+    assert after["k3jax:time_to_first_token_seconds_count"] > before.get("k3jax:time_to_first_token_seconds_count", 0)
+    assert after["k3jax:inter_token_latency_seconds_count"] >= 4
+    assert 0 <= after["k3jax:kv_cache_usage_perc"] <= 1
+
+
+BAD_REQUESTS = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"temperature": -1}, "temperature"),
+    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"messages": [{"role": "user", "content": "x" * 1100}]}, "max_model_len=1024"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "names"), BAD_REQUESTS, ids=[n for _, n in BAD_REQUESTS])
+def test_bad_request_is_400_naming_the_problem(server, kwargs, names):
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(server, **{"max_tokens": 2, **kwargs})
+    assert names in error.value.body["message"] and error.value.body["type"] == "invalid_request_error"
+
+
+def test_unknown_model_key_path_and_body_errors(server):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().chat.completions.create(model="gpt-5", messages=USER)
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    status, body = server.request("GET", "/v1/models")  # no key at all
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    auth = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    status, body = server.request("POST", "/v1/chat/completions", b"{" * (MAX_BODY_BYTES + 1), auth)
+    assert status == 413 and "larger than" in json.loads(body)["error"]["message"]
+    status, _ = server.request("POST", "/v1/chat/completions", iter([b" " * 4096] * 20), auth)  # chunked, no length
+    assert status == 413
+    status, body = server.request("POST", "/v1/chat/completions", b"{not json", auth)
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    status, body = server.request("GET", "/v1/nothing", headers=auth)
+    assert status == 404 and "error" in json.loads(body)
+
+
+def test_32_concurrent_streams_complete(server):
+    def run(i):
+        joined, chunks = streamed_chat(server, max_tokens=4, temperature=0, seed=i, extra_body=LONG,
+                                       stream_options={"include_usage": True})
+        return joined["finish_reason"], chunks[-1].usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, range(32)))
+    assert results == [("length", 4)] * 32
+
+
+def test_queue_full_is_503_and_closed_streams_free_the_pool(server):
+    capacity = MAX_RUNNING + MAX_QUEUED
+    with concurrent.futures.ThreadPoolExecutor(capacity) as pool:
+        streams = list(pool.map(lambda _: chat(server, stream=True, max_tokens=400, extra_body=LONG), range(capacity)))
+    try:
+        with pytest.raises(openai.InternalServerError) as error:
+            chat(server, max_tokens=2)
+        assert error.value.status_code == 503 and "capacity" in error.value.body["message"]
+    finally:
+        for stream in streams:
+            stream.close()
+    assert server.metrics()["k3jax:request_rejected_total"] >= 1
+    assert_pool_full_and_serving(server)
+
+
+def test_clients_disconnecting_mid_stream_free_the_pool(server):
+    streams = [chat(server, stream=True, max_tokens=400, extra_body=LONG) for _ in range(8)]
+    before = server.metrics().get('k3jax:request_success_total{finished_reason="abort"}', 0)
+    for stream in streams:  # each gets tokens, then hangs up; the next ones then get a slot
+        chunks = iter(stream)
+        assert next(chunks).choices[0].delta.role == "assistant"
+        assert next(chunks).choices[0].delta.reasoning_content
+        stream.close()
+    assert_pool_full_and_serving(server)
+    assert server.metrics()['k3jax:request_success_total{finished_reason="abort"}'] - before == 8
