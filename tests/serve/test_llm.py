@@ -55,13 +55,13 @@ def test_text_prompt_without_a_tokenizer_is_refused(tmp_path):
 
 
 def test_fp8_pages_agree_with_bf16_on_most_greedy_tokens():
-    """A 256-token greedy run of the bf16 model is fed back token by token (teacher forcing) through
+    """A 128-token greedy run of the bf16 model is fed back token by token (teacher forcing) through
     bf16 pages and fp8 E4M3 pages, and the next-token argmaxes are compared. (Free-running greedy runs
     part for good at their first disagreement, so they would not measure the cache.)
 
     The issue asks for 95% on a trained model. Random k3-tiny weights give nearly flat logits (median
     top-2 margin 0.2), so E4M3's ~2% rounding flips more of them: measured 0.88 (seed 0) and 0.80
-    (seed 1) over 128 tokens, while fp32 pages agree with bf16 pages at every position. The bound
+    (seed 1), while fp32 pages agree with bf16 pages at every position. The bound
     below is that floor, not the issue's target."""
     model = k3jax.K3Model.random(k3jax.K3Config.from_preset("k3-tiny"), dtype="bfloat16", seed=0)
     layout = CacheLayout(page_size=16, num_pages=20, num_slots=2)
@@ -74,10 +74,10 @@ def test_fp8_pages_agree_with_bf16_on_most_greedy_tokens():
         logits = runner.run([(prompt, 0, 1, pages)], 1, 8)
         picks[kv].append(int(np.argmax(logits[0])))
     tokens.append(picks["bf16"][-1])
-    while len(tokens) < len(prompt) + 256:
+    while len(tokens) < len(prompt) + 128:
         for kv, runner in runners.items():
             logits = runner.run([([tokens[-1]], len(tokens) - 1, 1, pages)], 1, 1)
             picks[kv].append(int(np.argmax(logits[0])))
         tokens.append(picks["bf16"][-1])
     agree = np.mean(np.asarray(picks["bf16"]) == np.asarray(picks["fp8"]))
-    assert len(picks["fp8"]) == 256 and agree >= 0.75, agree
+    assert len(picks["fp8"]) == 128 and agree >= 0.75, agree

@@ -32,8 +32,8 @@ ids = np.random.default_rng(1).integers(0, 512, (4, 9), dtype=np.int32)
 logits = model.logits(ids)
 read_bytes = [0]
 read = SafetensorsReader.read
-def counting_read(self, name, out=None):
-    array = read(self, name, out)
+def counting_read(self, name, out=None, rows=None):
+    array = read(self, name, out, rows)
     read_bytes[0] += array.nbytes
     return array
 SafetensorsReader.read = counting_read
