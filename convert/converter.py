@@ -20,7 +20,7 @@ import numpy as np
 
 from convert import layout
 from convert.hf_params import HfParams
-from convert.orbax_params import MANIFEST, OrbaxParams, key, layer_item, model_item, save_item, writer
+from convert.orbax_params import FORMAT, MANIFEST, OrbaxParams, key, layer_item, model_item, save_item, writer
 from convert.reader import CheckpointError
 from k3jax.config import K3Config
 
@@ -80,7 +80,7 @@ def _write(source: HfParams, cfg: K3Config, directory: str, dtype: str, out) -> 
         progress.advance(source.bytes_read)
     source.check_unused()
     progress.done()
-    return {"format": "k3jax-orbax-v1", "dtype": dtype, "model_type": cfg.model_type,
+    return {"format": FORMAT, "dtype": dtype, "model_type": cfg.model_type,
             "source_tensors": sorted(source.used), "items": items}
 
 

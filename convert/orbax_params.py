@@ -23,6 +23,7 @@ from k3jax.config import K3Config
 
 PARAMS_DIR = "params"
 MANIFEST = "manifest.json"
+FORMAT = "k3jax-orbax-v2"  # v2: uncompressed items, one item per model-level tensor
 
 
 def layer_item(layer: int) -> str:
@@ -53,6 +54,9 @@ class OrbaxParams:
         self.cfg = cfg
         with open(os.path.join(self.directory, MANIFEST)) as f:
             self.manifest = json.load(f)
+        if self.manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{self.directory} was converted to format {self.manifest.get('format')!r}; this "
+                                  f"k3jax reads {FORMAT!r}: run python -m convert on the source checkpoint again")
         self._checkpointer = ocp.StandardCheckpointer()
 
     def model(self, shardings: dict | None = None) -> dict[tuple, jax.Array]:

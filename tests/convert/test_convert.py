@@ -83,6 +83,15 @@ def test_failed_conversion_leaves_nothing(k3_src, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
 
 
+def test_an_older_converted_format_is_refused_by_name(k3_src, tmp_path):
+    out = tmp_path / "out"
+    convert_checkpoint(k3_src, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format": "k3jax-orbax-v1"}))
+    with pytest.raises(CheckpointError, match="format 'k3jax-orbax-v1'.*run python -m convert"):
+        k3jax.from_pretrained(out)
+
+
 def test_verify_detects_a_changed_array(k3_src, tmp_path):
     out = tmp_path / "out"
     convert_checkpoint(k3_src, out)
