@@ -60,9 +60,6 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    # TESTING ONLY, refused unless the server runs with --enable-test-hooks: the engine's output
-    # tokens are replaced by this text's tokens, to test the output parsers through the server.
-    k3jax_test_forced_output: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -92,6 +89,9 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Literal["none", "low", "high", "max"] | None = None
     # the encoder's switches: thinking (alias enable_thinking) and thinking_effort
     chat_template_kwargs: dict[str, Any] | None = None
+    # TESTING ONLY, refused unless the server runs with --enable-test-hooks: the engine's output
+    # tokens are replaced by this text's tokens, to test the output parsers through the server.
+    k3jax_test_forced_output: str | None = None
 
     def chat_sampling_params(self, choice: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -91,23 +91,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer files, which chat needs; use /v1/completions "
                                 "with token ids")
-        if body.k3jax_test_forced_output is not None and not config.enable_test_hooks:
-            raise APIError(400, "k3jax_test_forced_output: only a server started with the test hooks "
-                                "enabled takes it", param="k3jax_test_forced_output")
+        forced = _forced_tokens(body, config, tokenizer)
         with _bad_request():
             thinking, effort = body.thinking()
             tools, tool_choice = body.tool_prompt()
             params = [body.chat_sampling_params(i) for i in range(body.n)]
             prompt = await asyncio.to_thread(tokenize_messages, tokenizer, body.messages, tools=tools,
                                              thinking=thinking, thinking_effort=effort, tool_choice=tool_choice)
-        if body.k3jax_test_forced_output is not None:
-            forced = tokenizer.encode(body.k3jax_test_forced_output, allow_special=True)
+        if forced is not None:
             params = [dataclasses.replace(p, max_tokens=len(forced), ignore_eos=True) for p in params]
         group = await _submit(engine, [(prompt, p) for p in params])
         choices = [ChatChoice(i, tokenizer, thinking=thinking, tools=tools if body.parses_tool_calls() else None,
                               stop=params[i].stop, top_logprobs=params[i].logprobs) for i in range(body.n)]
-        outputs = group if body.k3jax_test_forced_output is None else _forced_outputs(group, forced, tokenizer)
-        response = _Response("chatcmpl", "chat.completion", config.model_name, body.n)
+        outputs = group if forced is None else _forced_outputs(group, forced, tokenizer)
+        response = _Response("chatcmpl", "chat.completion", "chat.completion.chunk", config.model_name, body.n)
         if body.stream:
             return StreamingResponse(response.stream(group, outputs, choices, body.include_usage,
                                                      first=[c.first_delta() for c in choices]),
@@ -123,7 +120,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         group = await _submit(engine, [(prompt, p) for prompt in prompts for p in params])
         choices = [CompletionChoice(i, engine.tokenizer, stop=params[i % body.n].stop, logprobs=body.logprobs)
                    for i in range(len(prompts) * body.n)]
-        response = _Response("cmpl", "text_completion", config.model_name, body.n)
+        response = _Response("cmpl", "text_completion", "text_completion", config.model_name, body.n)
         if body.stream:
             return StreamingResponse(response.stream(group, group, choices, body.include_usage),
                                      media_type="text/event-stream")
@@ -135,9 +132,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 class _Response:
     """The response to one request: its id and the envelope of its (chunk) objects."""
 
-    def __init__(self, id_prefix: str, kind: str, model: str, n: int):
+    def __init__(self, id_prefix: str, kind: str, chunk_kind: str, model: str, n: int):
         self.id = f"{id_prefix}-{secrets.token_hex(16)}"
         self.kind = kind
+        self.chunk_kind = chunk_kind
         self.model = model
         self.n = n
         self.created = int(time.time())
@@ -158,19 +156,18 @@ class _Response:
                               usage=usage(finished, self.n))
 
     async def stream(self, group: RequestGroup, outputs: AsyncIterator, choices: list, include_usage: bool,
-                     first: list[dict] = ()) -> AsyncIterator[str]:
+                     first: Sequence[dict] = ()) -> AsyncIterator[str]:
         """Server-sent events; a disconnect cancels this generator, and `finally` aborts the requests."""
-        kind = "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
         latest = {}
         try:
             for choice in first:
-                yield _event(self._envelope(kind, [choice]))
+                yield _event(self._envelope(self.chunk_kind, [choice]))
             async for index, output in outputs:
                 latest[index] = output
                 if (choice := choices[index].delta(output)) is not None:
-                    yield _event(self._envelope(kind, [choice]))
+                    yield _event(self._envelope(self.chunk_kind, [choice]))
             if include_usage:
-                yield _event(self._envelope(kind, [], usage=usage(latest, self.n)))
+                yield _event(self._envelope(self.chunk_kind, [], usage=usage(latest, self.n)))
         except Exception as error:  # headers are sent: the error goes in the stream
             logger.exception("request %s failed", self.id)
             yield _event({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}})
@@ -181,6 +178,16 @@ class _Response:
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _forced_tokens(body: ChatCompletionRequest, config: ServerConfig, tokenizer) -> list[int] | None:
+    """TESTING ONLY: the tokens `k3jax_test_forced_output` asks the engine's output to be replaced by."""
+    if body.k3jax_test_forced_output is None:
+        return None
+    if not config.enable_test_hooks:
+        raise APIError(400, "k3jax_test_forced_output: only a server started with the test hooks enabled "
+                            "takes it", param="k3jax_test_forced_output")
+    return tokenizer.encode(body.k3jax_test_forced_output, allow_special=True)
 
 
 async def _forced_outputs(group: RequestGroup, forced: list[int], tokenizer) -> AsyncIterator:
