@@ -100,11 +100,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                                              thinking=thinking, thinking_effort=effort, tool_choice=tool_choice)
         if forced is not None:
             params = [dataclasses.replace(p, max_tokens=len(forced), ignore_eos=True) for p in params]
-        group = await _submit(engine, [(prompt, p) for p in params])
         choices = [ChatChoice(i, tokenizer, thinking=thinking, tools=tools if body.parses_tool_calls() else None,
                               stop=params[i].stop, top_logprobs=params[i].logprobs) for i in range(body.n)]
-        outputs = group if forced is None else _forced_outputs(group, forced, tokenizer)
         response = _Response("chatcmpl", "chat.completion", "chat.completion.chunk", config.model_name, body.n)
+        group = await _submit(engine, [(prompt, p) for p in params])
+        outputs = group if forced is None else _forced_outputs(group, forced, tokenizer)
         if body.stream:
             return StreamingResponse(response.stream(group, outputs, choices, body.include_usage,
                                                      first=[c.first_delta() for c in choices]),
@@ -117,10 +117,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         with _bad_request():
             prompts = body.prompts()
             params = [body.completion_sampling_params(i) for i in range(body.n)]
-        group = await _submit(engine, [(prompt, p) for prompt in prompts for p in params])
         choices = [CompletionChoice(i, engine.tokenizer, stop=params[i % body.n].stop, logprobs=body.logprobs)
                    for i in range(len(prompts) * body.n)]
         response = _Response("cmpl", "text_completion", "text_completion", config.model_name, body.n)
+        group = await _submit(engine, [(prompt, p) for prompt in prompts for p in params])
         if body.stream:
             return StreamingResponse(response.stream(group, group, choices, body.include_usage),
                                      media_type="text/event-stream")
