@@ -1,8 +1,9 @@
 """The OpenAI-compatible server end to end: `python -m k3jax.serve` in a subprocess on the embedded
 k3-tiny, driven by the official `openai` client (raw HTTP where the client cannot send the request).
 
-One server per module (per xdist worker), with small engine options so that it compiles few step
-shapes: 2 running sequences, 16-token prefill chunks, 32 more requests queued.
+One server for the module (xdist's loadscope keeps the module on one worker), with small engine
+options so that it compiles few step shapes: 2 running sequences, 16-token prefill chunks, 32 more
+requests queued.
 """
 
 import concurrent.futures
@@ -198,7 +199,8 @@ def test_tool_call_parsed_whole_and_streamed_then_round_trip(server):
     assert [(c.function.name, c.function.arguments) for c in joined["tool_calls"]] == \
            [(call.function.name, call.function.arguments)]
     # tool_choice none: the same output is not parsed for calls
-    assert chat(server, tools=[WEATHER_TOOL], tool_choice="none", extra_body=forced).choices[0].message.tool_calls is None
+    unparsed = chat(server, tools=[WEATHER_TOOL], tool_choice="none", extra_body=forced).choices[0]
+    assert unparsed.message.tool_calls is None and unparsed.finish_reason == "stop"
     # the call and its result sent back render into a prompt the engine runs
     history = USER + [choice.message.model_dump(exclude_none=True),
                       {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
@@ -230,7 +232,8 @@ BAD_REQUESTS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"temperature": -1}, "temperature"),
