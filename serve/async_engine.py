@@ -187,7 +187,10 @@ class RequestGroup:
 
     def post(self, item) -> None:
         """Hands an item to the group's queue (from the engine thread)."""
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the submitter's event loop has closed: nobody is waiting for the item
+            pass
 
     async def __aiter__(self):
         while self._unfinished:
