@@ -10,6 +10,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -86,7 +87,9 @@ def server(tmp_path_factory):
 
 def _wait_for_url(process, log) -> str:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
+    while (remaining := deadline - time.monotonic()) > 0:
+        if not select.select([process.stdout], [], [], remaining)[0]:
+            break
         line = process.stdout.readline()  # the server prints one line, the URL, when it is ready
         if "http://" in line:
             return line.split()[-1]
