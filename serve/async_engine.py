@@ -100,7 +100,10 @@ class AsyncEngine:
                 return
             try:
                 for command in commands:
-                    self._submit(command) if isinstance(command, _Submit) else self._abort(command)
+                    if isinstance(command, _Submit):
+                        self._submit(command)
+                    else:
+                        self._abort(command)
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
             except Exception as error:  # an engine bug: fail what is in flight, keep serving new requests
