@@ -118,6 +118,9 @@ class Engine:
         """Queues a prompt (token ids, or text when the engine has a tokenizer); returns its id."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {list(params.stop_token_ids)}")
         if len(ids) + 1 > self.options.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.options.max_model_len} leaves "
                              "no room to generate")
@@ -137,6 +140,14 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def warmup(self) -> None:
         """Compiles every step shape the engine can run (padding rows only: the pools' real entries stay

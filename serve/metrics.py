@@ -47,8 +47,8 @@ class ServerMetrics:
         """Refreshes the gauges from the engine (on the engine thread)."""
         layout, allocator = engine.layout, engine.allocator
         usable_pages = layout.num_pages - 1  # page 0 is the null page padding rows point at
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
         self.free_pages.set(allocator.free_pages)
         self.total_pages.set(usable_pages)
         self.cache_usage.set(1.0 - allocator.free_pages / usable_pages)

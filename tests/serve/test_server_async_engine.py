@@ -24,9 +24,10 @@ class ScriptedEngine:
     layout = SimpleNamespace(num_pages=9, num_slots=3)
     allocator = SimpleNamespace(free_pages=8, free_slots=2)
 
+    num_running = num_waiting = 0
+
     def __init__(self):
         self.requests = {}
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
 
     def add_request(self, prompt, params, request_id):
         if not prompt:
