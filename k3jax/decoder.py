@@ -19,7 +19,7 @@ from k3jax.config import DENSE, KDA, K3Config
 from k3jax.layers import attn_res
 from k3jax.layers.common import Linear, RMSNorm, param
 from k3jax.layers.ffn import MoE, GatedMLP
-from k3jax.layers.kda import KDACache, KimiDeltaAttention
+from k3jax.layers.kda import KDACache, KimiDeltaAttention, Recorded
 from k3jax.layers.mla import MLACache, MLAPages, MultiHeadLatentAttention
 
 MAX_PATTERN = 8  # the longest repeating unit searched for
@@ -79,6 +79,7 @@ class Batch(NamedTuple):
     offsets: jax.Array  # [B] int32: tokens already in the cache
     slots: jax.Array | None = None  # [B] int32: KDA state slot of each row (0: the null slot, padding rows)
     page_table: jax.Array | None = None  # [B, max_pages] int32: MLA pages of each row (0: the null page)
+    record: bool = False  # a speculative verify: KDA layers record their window instead of writing slots
 
 
 class DecodeState(NamedTuple):
@@ -96,6 +97,51 @@ class PagedState(NamedTuple):
     offsets: jax.Array  # [B] int32: tokens of each row already in the cache
     slots: jax.Array  # [B] int32
     page_table: jax.Array  # [B, max_pages] int32
+
+
+TAP_KINDS = ("residual_sum", "next_mixture")
+
+
+@dataclasses.dataclass(frozen=True)
+class TapSpec:
+    """Which hidden states a forward also returns, per token (DSpark's context features).
+
+    `layers`: target layer indices; the hidden state "after layer i" is, for `residual_sum`, the
+    residual stream (for AttnRes: every bank row plus the open block and the pending FFN output,
+    i.e. the embedding plus every sub-layer output so far; vLLM's default), and for `next_mixture`
+    the pre-norm AttnRes mixture that layer i+1's attention reads (after the last layer: the output
+    read; SGLang's choice). Without AttnRes the two are the same residual stream.
+    """
+
+    layers: tuple[int, ...]
+    kind: str = "residual_sum"
+
+    def __post_init__(self):
+        if self.kind not in TAP_KINDS:
+            raise ValueError(f"tap kind {self.kind!r} is not one of {TAP_KINDS}")
+
+
+class Aux(NamedTuple):
+    """Extra outputs of a forward: the tapped hidden states [B, T, len(layers) * H] (activation dtype)
+    and, in a verify step, the KDA records grouped like the segments (None at MLA positions)."""
+
+    taps: jax.Array | None
+    records: tuple | None
+
+
+def _record_tap(buffer, layers, layer_index, value):
+    """Stores value [B, T, H] as the tap of `layer_index` in buffer [len(layers) + 1, B, T, H]; a layer
+    that is not tapped writes the last (scratch) row, so the update is one in-place slice write."""
+    layers = jnp.asarray(layers, jnp.int32)
+    hits = layers == layer_index
+    row = jnp.where(jnp.any(hits), jnp.argmax(hits), layers.shape[0])
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), row, axis=0)
+
+
+def _residual_sum(stream):
+    if isinstance(stream, attn_res.AttnResStream):
+        return jnp.sum(stream.bank, axis=2, dtype=jnp.float32) + stream.p + stream.d
+    return stream
 
 
 class DecoderLayer(nnx.Module):
@@ -117,6 +163,7 @@ class DecoderLayer(nnx.Module):
             self.block_sparse_moe = MoE(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, stream, layer_index, cache, batch: Batch):
+        """Returns (stream, cache, the pre-norm input of the attention: the AttnRes mixture or the stream)."""
         cfg = self.cfg
         dtype = self.input_layernorm.weight.dtype
         if cfg.attn_res:
@@ -124,6 +171,7 @@ class DecoderLayer(nnx.Module):
                                                   self.self_attention_res, cfg.rms_norm_eps)
             x = self.input_layernorm(mix, dtype)
         else:
+            mix = stream
             x = self.input_layernorm(stream)
         a, cache = self.self_attn(x, cache, batch)
         if cfg.attn_res:
@@ -135,7 +183,7 @@ class DecoderLayer(nnx.Module):
             x = self.post_attention_layernorm(stream)
         f = self.mlp(x) if hasattr(self, "mlp") else self.block_sparse_moe(x)
         stream = stream._replace(d=f) if cfg.attn_res else stream + f
-        return stream, cache
+        return stream, cache, mix
 
 
 class SegmentLayers(nnx.Module):
@@ -177,29 +225,37 @@ class K3Transformer(nnx.Module):
     def dtype(self):
         return self.embed_tokens.dtype
 
-    def __call__(self, tokens, lengths=None, cache: DecodeState | PagedState | None = None, *, last_only=False):
+    def __call__(self, tokens, lengths=None, cache: DecodeState | PagedState | None = None, *, last_only=False,
+                 taps: TapSpec | None = None, record: bool = False):
         """tokens [B, T] (right-padded), lengths [B] real tokens (default T) -> (logits f32 [B, T, V], cache).
 
         `last_only`: logits of each row's last real token only, [B, V] (what a serving step samples from).
+        `taps` and `record` (a speculative verify over pooled caches: KDA slots are not written, see
+        `KimiDeltaAttention`) add a third result, `Aux`.
         """
         cfg = self.cfg
         b, t = tokens.shape
         lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         valid = jnp.arange(t)[None, :] < lengths[:, None]
         if isinstance(cache, PagedState):
-            batch = Batch(valid, lengths, cache.offsets, cache.slots, cache.page_table)
+            batch = Batch(valid, lengths, cache.offsets, cache.slots, cache.page_table, record)
+        elif record:
+            raise ValueError("record=True needs the engine's pooled caches (PagedState)")
         else:
             batch = Batch(valid, lengths, cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32))
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
         stream = attn_res.start_stream(x, cfg.num_attn_res_blocks) if cfg.attn_res else x
+        tapped = None if taps is None else jnp.zeros((len(taps.layers) + 1, b, t, x.shape[-1]), x.dtype)
         new_layers = []
         for seg, layers, seg_cache in zip(self.plan, self.segments, cache.layers if cache else [None] * len(self.plan)):
-            stream, seg_cache = _run_segment(seg, layers, stream, seg_cache, batch)
+            (stream, tapped), seg_cache = _run_segment(seg, layers, (stream, tapped), seg_cache, batch, taps)
             new_layers.append(seg_cache)
         if cfg.attn_res:
             h = attn_res.final_read(stream, self.output_attn_res, cfg.rms_norm_eps).astype(x.dtype)
         else:
             h = stream
+        if taps is not None and taps.kind == "next_mixture":  # the last layer's tap is the output read
+            tapped = _record_tap(tapped, taps.layers, cfg.num_hidden_layers - 1, h)
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
         h = self.norm(h)
@@ -209,31 +265,49 @@ class K3Transformer(nnx.Module):
             logits = self.lm_head(h, jnp.float32)
         if cfg.logit_scale != 1.0:
             logits = logits * cfg.logit_scale
+        aux = None
+        if taps is not None or record:
+            records = None
+            if record:  # split the KDA records from the pools
+                split = lambda c, i: (c[i] if isinstance(c, Recorded) else (c, None)[i])  # noqa: E731
+                records = tuple(tuple(split(c, 1) for c in seg) for seg in new_layers)
+                new_layers = [tuple(split(c, 0) for c in seg) for seg in new_layers]
+            tap_rows = None
+            if taps is not None:  # [taps, B, T, H] -> [B, T, taps * H], in the order of taps.layers
+                tap_rows = jnp.moveaxis(tapped[:-1], 0, 2).reshape(b, t, -1)
+            aux = Aux(tap_rows, records)
         if isinstance(cache, PagedState):
-            return logits, cache._replace(layers=tuple(new_layers))
-        new_cache = DecodeState(tuple(new_layers), batch.offsets + lengths) if cache is not None else None
-        return logits, new_cache
+            out = logits, cache._replace(layers=tuple(new_layers))
+        else:
+            out = logits, DecodeState(tuple(new_layers), batch.offsets + lengths) if cache is not None else None
+        return out if aux is None else (*out, aux)
 
 
-def _run_segment(seg: Segment, layers: SegmentLayers, stream, seg_cache, batch: Batch):
+def _run_segment(seg: Segment, layers: SegmentLayers, carry, seg_cache, batch: Batch, taps: TapSpec | None):
+    """carry: (stream, tap buffer or None)."""
     graphdef, state = nnx.split(layers.layers)
     period = len(seg.kinds)
     first_index = seg.start + period * jnp.arange(seg.repeats, dtype=jnp.int32)
 
-    def body(stream, xs):
+    def body(carry, xs):
+        stream, tapped = carry
         state_r, cache_r, base = xs
         stacked = nnx.merge(graphdef, state_r)
         caches = []
         for j, layer in enumerate(stacked):
-            stream, c = layer(stream, base + j, cache_r[j] if cache_r is not None else None, batch)
+            stream, c, mix = layer(stream, base + j, cache_r[j] if cache_r is not None else None, batch)
+            if taps is not None and taps.kind == "residual_sum":
+                tapped = _record_tap(tapped, taps.layers, base + j, _residual_sum(stream))
+            elif taps is not None:  # this layer's attention input is the previous layer's tap
+                tapped = _record_tap(tapped, taps.layers, base + j - 1, mix)
             caches.append(c)
-        return stream, tuple(caches) if cache_r is not None else None
+        return (stream, tapped), tuple(caches) if cache_r is not None else None
 
     if seg.repeats == 1:  # no scan for a single repeat: slice the stacked axis away
         take = lambda a: a[0]  # noqa: E731
-        stream, out = body(stream, jax.tree.map(take, (state, seg_cache, first_index)))
-        return stream, jax.tree.map(lambda a: a[None], out)
-    return jax.lax.scan(body, stream, (state, seg_cache, first_index))
+        carry, out = body(carry, jax.tree.map(take, (state, seg_cache, first_index)))
+        return carry, jax.tree.map(lambda a: a[None], out)
+    return jax.lax.scan(body, carry, (state, seg_cache, first_index))
 
 
 def init_cache(cfg: K3Config, batch: int, max_len: int, dtype) -> DecodeState:

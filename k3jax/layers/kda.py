@@ -30,6 +30,25 @@ class KDACache(NamedTuple):
                         jnp.zeros((batch, cfg.kda_num_heads, d, d), jnp.float32))
 
 
+class KDARecord(NamedTuple):
+    """What a speculative verify step keeps of a KDA layer's window instead of writing its slots, so
+    that `commit_record` can fold in exactly the accepted tokens afterwards (SGLang's ReplaySSM
+    form: a few vectors per token, not a full state per window position)."""
+
+    qkv: jax.Array  # [B, T, 3, P] pre-conv q, k, v rows (the conv window after the accepted tokens)
+    k: jax.Array  # [B, T, heads, head_dim] post-conv keys
+    v: jax.Array  # [B, T, heads, head_dim] post-conv values
+    g: jax.Array  # [B, T, heads, head_dim] float32 log decay
+    beta: jax.Array  # [B, T, heads] float32 write strength
+
+
+class Recorded(NamedTuple):
+    """A KDA layer's output in a verify step: its slot pool, untouched, and the window's record."""
+
+    pool: KDACache
+    record: KDARecord
+
+
 class KimiDeltaAttention(nnx.Module):
     def __init__(self, cfg: K3Config, *, dtype, rngs):
         h, p, d, heads = cfg.hidden_size, cfg.kda_projection_size, cfg.kda_head_dim, cfg.kda_num_heads
@@ -62,17 +81,21 @@ class KimiDeltaAttention(nnx.Module):
 
         Returns (out [B, T, H], new cache or None). Padded tokens leave the state untouched. With
         `batch.slots`, `cache` is the slot pool: each row reads its slot (zeros when it starts a new
-        sequence) and writes it back; padding rows use the null slot 0.
+        sequence) and writes it back; padding rows use the null slot 0. With `batch.record` (a
+        speculative verify) the pool is left as it is and the new cache is `Recorded(pool, record)`.
         """
         if batch.slots is None:
             return self._forward(x, cache, batch.valid, batch.lengths)
         fresh = batch.offsets == 0
         rows = jax.tree.map(lambda pool: jnp.where(fresh.reshape(-1, *(1,) * (pool.ndim - 1)), 0,
                                                    pool[batch.slots]).astype(pool.dtype), cache)
+        if batch.record:
+            out, record = self._forward(x, rows, batch.valid, batch.lengths, record=True)
+            return out, Recorded(cache, record)
         out, rows = self._forward(x, rows, batch.valid, batch.lengths)
         return out, jax.tree.map(lambda pool, r: pool.at[batch.slots].set(r), cache, rows)
 
-    def _forward(self, x, cache: KDACache | None, valid, lengths):
+    def _forward(self, x, cache: KDACache | None, valid, lengths, record: bool = False):
         cfg = self.cfg
         b, t, _ = x.shape
         heads, d = cfg.kda_num_heads, cfg.kda_head_dim
@@ -88,7 +111,9 @@ class KimiDeltaAttention(nnx.Module):
         g = jnp.where(valid[:, :, None, None], g, 0.0)  # padding: no decay and no write
         beta = jnp.where(valid[:, :, None], beta, 0.0)
         initial = cache.state if cache is not None else None
-        kernel = kda_ops.fused_recurrent_kda if t == 1 else kda_ops.chunk_kda
+        # A verify window runs token by token, as the plain decode it stands in for: the same
+        # arithmetic, so speculation does not move the logits.
+        kernel = kda_ops.fused_recurrent_kda if t == 1 or record else kda_ops.chunk_kda
         o, state = kernel(q, k, v, g, beta, initial_state=initial, output_final_state=cache is not None,
                           use_qk_l2norm_in_kernel=True)
 
@@ -98,6 +123,8 @@ class KimiDeltaAttention(nnx.Module):
         out = self.o_proj(y.astype(x.dtype).reshape(b, t, heads * d))
         if cache is None:
             return out, None
+        if record:
+            return out, KDARecord(window[:, cfg.kda_conv_size - 1:], k, v, g, beta)
         # The next call's conv window: the conv_size-1 rows ending at each sequence's last real token.
         rows = lengths[:, None] + jnp.arange(cfg.kda_conv_size - 1)[None, :]
         conv = jnp.take_along_axis(window, rows[:, :, None, None], axis=1)
@@ -114,6 +141,30 @@ class KimiDeltaAttention(nnx.Module):
             return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a * f)
         softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))  # Kimi Linear
         return -a * softplus
+
+
+def commit_record(pool: KDACache, record: KDARecord, slots, accepted) -> KDACache:
+    """Writes into each row's slot the KDA state and conv window after its first `accepted` window
+    tokens (int32 [B], 1..T; padding rows point at the null slot 0 and may hold anything).
+
+    The state replays the recorded recurrence from the slot's state with the tokens past `accepted`
+    masked exactly as right padding is (no decay, no write): the recurrence of a plain decode of the
+    accepted tokens. (Not bit for bit: the window's projections ran as one [T]-row matmul, whose
+    blocking rounds differently from T one-row decodes, ~1e-7.) The conv window, pure data movement,
+    is exact: the W-1 pre-conv rows ending at the last accepted token.
+    """
+    t = record.k.shape[1]
+    keep = jnp.arange(t)[None, :] < accepted[:, None]
+    g = jnp.where(keep[:, :, None, None], record.g, 0.0)
+    beta = jnp.where(keep[:, :, None], record.beta, 0.0)
+    _, state = kda_ops.fused_recurrent_kda(jnp.zeros_like(record.k), record.k, record.v, g, beta,
+                                           initial_state=pool.state[slots], output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+    width = pool.conv.shape[1]
+    window = jnp.concatenate([pool.conv[slots].astype(record.qkv.dtype), record.qkv], axis=1)
+    rows = accepted[:, None] + jnp.arange(width)[None, :]
+    conv = jnp.take_along_axis(window, rows[:, :, None, None], axis=1)
+    return KDACache(pool.conv.at[slots].set(conv.astype(pool.conv.dtype)), pool.state.at[slots].set(state))
 
 
 def _causal_conv_silu(window, weight, t: int):
