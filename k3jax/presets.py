@@ -176,3 +176,41 @@ PRESETS = {
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B,
     "k3-tiny": _k3(K3_TINY_TEXT, 277),
 }
+
+# DSpark draft checkpoints (config.json of the draft, ../shared/spec/k3_serving_spec.md section 1.2),
+# each for the target preset named in DRAFT_TARGETS. k3-tiny-dspark: 2 dense MLA layers reading the
+# residual stream after target layers 1, 4 and 8 of k3-tiny; the mask is a reserved special id of the
+# synthetic byte-level tokenizer (not BOS 256, EOS 258 or pad 511).
+K3_TINY_DSPARK = {
+    "model_type": "k3_dspark",
+    "architectures": ["K3DSparkModel"],
+    "vocab_size": 512,
+    "draft_vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0,
+    "target_layer_ids": [1, 4, 8],
+    "num_target_layers": 3,
+    "target_hidden_size": 64,
+    "markov_rank": 8,
+    "block_size": 7,
+    "dflash_config": {"mask_token_id": 300},
+    "sample_from_anchor": True,
+    "enable_confidence_head": False,
+    "confidence_head_with_markov": False,
+    "logit_scale": 1.0,
+    "target_hidden_tap": "residual_sum",
+    "tie_word_embeddings": False,
+}
+
+DRAFT_PRESETS = {"k3-tiny-dspark": K3_TINY_DSPARK}
+DRAFT_TARGETS = {"k3-tiny-dspark": "k3-tiny"}
