@@ -2,6 +2,7 @@
 quantization_config), with random weights at scales that keep activations O(1).
 
     python -m convert.synth --preset k3-tiny --out DIR [--seed 0] [--shard-bytes N]
+    python -m convert.synth --preset k3-tiny-dspark --out DIR   (a DSpark draft for k3-tiny)
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from convert import layout, mxfp4
+from convert.dspark_layout import draft_tensors
 from k3jax.config import K3Config
+from k3jax.dspark_config import DSparkConfig
 
 _NUMPY_DTYPES = {layout.BF16: ml_dtypes.bfloat16, layout.F32: np.float32, layout.U8: np.uint8}
 MAX_SYNTHETIC_BYTES = 8 * 10**9
@@ -57,11 +60,45 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
                          f"{MAX_SYNTHETIC_BYTES / 1e9:.0f} GB")
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng(seed)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
     tensors = ((n, synthetic_tensor(n, r, rng)) for n, r in layout.all_tensors(cfg).items())
     if cfg.model_type == "kimi_k3":
         tensors = itertools.chain(tensors, vision_tensors(cfg, rng).items())
+    _save_shards(out_dir, tensors, shard_bytes)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    write_tokenizer(out_dir, cfg)
+    return cfg
+
+
+def write_draft_checkpoint(out_dir: str | os.PathLike, draft_config: dict, *, seed: int = 0,
+                           shard_bytes: int | None = None) -> DSparkConfig:
+    """A DSpark draft checkpoint: config.json and bf16 safetensors by the draft's tensor names (the
+    confidence head fp32). Linears are fan-in scaled and norms near one, so the final-normed hidden
+    states are O(1) like the target's; markov_w1 rows are unit normal and markov_w2 fan-in scaled, so
+    the Markov bias is of the order of the base logits."""
+    cfg = DSparkConfig.from_dict(draft_config)
+    os.makedirs(out_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+
+    def value(name, shape):
+        if len(shape) == 1:
+            v = np.zeros(shape) if name.endswith("bias") else 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name == "markov_head.markov_w1.weight":
+            v = rng.standard_normal(shape)
+        else:
+            v = shape[-1] ** -0.5 * rng.standard_normal(shape)
+        return v.astype(np.float32 if name.startswith("confidence_head.") else ml_dtypes.bfloat16)
+
+    _save_shards(out_dir, ((n, value(n, t.shape)) for n, t in draft_tensors(cfg).items()), shard_bytes)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(draft_config, f, indent=2)
+    return cfg
+
+
+def _save_shards(out_dir, tensors, shard_bytes: int | None) -> None:
+    """Writes (name, array) pairs as model.safetensors, or as shards of about shard_bytes with an index."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
     for name, tensor in tensors:
         if shard_bytes and size + tensor.nbytes > shard_bytes and shards[-1]:
             shards.append({})
@@ -79,10 +116,6 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
             weight_map.update({name: file for name in shard})
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
-    write_tokenizer(out_dir, cfg)
-    return cfg
 
 
 def vision_tensors(cfg: K3Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -134,15 +167,20 @@ def write_tokenizer(out_dir, cfg: K3Config) -> None:
 
 
 def main(argv=None) -> None:
-    from k3jax.presets import PRESETS
+    from k3jax.presets import DRAFT_PRESETS, DRAFT_TARGETS, PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="k3-tiny", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="k3-tiny", choices=sorted(PRESETS) + sorted(DRAFT_PRESETS))
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-bytes", type=int, default=None)
     args = parser.parse_args(argv)
-    write_checkpoint(args.out, PRESETS[args.preset], seed=args.seed, shard_bytes=args.shard_bytes)
+    if args.preset in DRAFT_PRESETS:
+        cfg = write_draft_checkpoint(args.out, DRAFT_PRESETS[args.preset], seed=args.seed,
+                                     shard_bytes=args.shard_bytes)
+        cfg.check_target(K3Config.from_hf_dict(PRESETS[DRAFT_TARGETS[args.preset]]))
+    else:
+        write_checkpoint(args.out, PRESETS[args.preset], seed=args.seed, shard_bytes=args.shard_bytes)
     print(f"wrote a synthetic {args.preset} checkpoint to {args.out}")
 
 
