@@ -2,6 +2,8 @@
 reference in tests/serve/dspark/reference.py; the Markov head against a Python loop; probabilistic
 drafting against softmax(draft_logits / T)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,7 +59,7 @@ def run_paged(cfg, draft, head, taps, lengths, rng, **propose_args):
                        jnp.full((n,), start, jnp.int32), jnp.asarray(table))
     bonus = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
     positions = np.array([x or 0 for x in lengths], np.int32)
-    propose = jax.jit(dd.propose, static_argnames=("greedy_only",))
+    propose = jax.jit(dd.propose, static_argnames=("greedy_only", "num_tokens"))
     drafts, logits, pages = propose(draft, pages, jnp.asarray(bonus), jnp.asarray(positions), jnp.asarray(table),
                                     head, **propose_args)
     return bonus, table, np.asarray(drafts), np.asarray(logits), pages
@@ -68,12 +70,18 @@ def greedy_args(n):
                 greedy_only=True)
 
 
-def test_paged_draft_matches_contiguous_reference(cfg, setup):
+@pytest.mark.parametrize("num_tokens", [None, 3])
+def test_paged_draft_matches_contiguous_reference(cfg, setup, num_tokens):
+    """Rows of different lengths injected in chunks over a random page assignment, with a padding row;
+    num_tokens shortens the block (a reference with that block size)."""
     draft, head = setup
     rng = np.random.default_rng(2)
     lengths = [9, None, 14, 3]
     taps = rng.standard_normal((len(lengths), 18, cfg.context_width)).astype(np.float32)
-    bonus, table, drafts, logits, pages = run_paged(cfg, draft, head, taps, lengths, rng, **greedy_args(len(lengths)))
+    bonus, table, drafts, logits, pages = run_paged(cfg, draft, head, taps, lengths, rng, num_tokens=num_tokens,
+                                                    **greedy_args(len(lengths)))
+    if num_tokens is not None:
+        cfg = dataclasses.replace(cfg, block_size=num_tokens)
     p = ref.params_of(draft)
     head64 = tuple(np.asarray(a, np.float64) for a in head[:2]) + (head.logit_scale,)
     stored = np.asarray(pages.pages)
