@@ -10,7 +10,7 @@ pools are viewed as one [L * num_pages] pool with layer l's page ids offset by l
 reshape), so no step copies a layer's pool out of the stack.
 
 The block attends non-causally: every block row sees all positions < p + K, i.e. the same keys, so
-the K rows fold into the head axis of one absorbed-form paged decode attention.
+the K rows fold into the head axis of the absorbed-form paged decode attention (pages read once).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from k3jax.layers.mla import MLAPages, rope_interleaved
 from pallas_kernels import mla as mla_ops
 from pallas_kernels.activations import GatedActivation
 from serve.dspark.markov import markov_sample
+
+FOLD_ROWS = 128  # query rows (block rows x heads) per paged attention call
 
 __all__ = ["DSparkDraft", "SharedHead", "init_draft_pages", "inject_context", "markov_sample", "propose",
            "shared_head"]
@@ -64,11 +66,26 @@ class DraftAttention(nnx.Module):
         w = self.kv_b_proj.kernel[...].reshape(r, heads, nope + cfg.v_head_dim)
         w_uk, w_uv = w[..., :nope].astype(x.dtype), w[..., nope:].astype(x.dtype)
         q_latent = jnp.einsum("nthd,chd->nthc", q[..., :nope], w_uk, preferred_element_type=jnp.float32)
-        q_full = jnp.concatenate([q_latent.astype(x.dtype), q_rope], axis=-1).reshape(n, t * heads, cfg.cache_width)
-        latent = mla_ops.paged_decode_attention(q_full, pool, page_table, kv_length, scale=cfg.qk_head_dim ** -0.5,
-                                                value_width=r, kv_scale=scale)
-        o = jnp.einsum("nthc,chv->nthv", latent.reshape(n, t, heads, r), w_uv, preferred_element_type=jnp.float32)
+        q_full = jnp.concatenate([q_latent.astype(x.dtype), q_rope], axis=-1)
+        latent = _block_attention(q_full, pool, scale, page_table, kv_length, cfg.qk_head_dim ** -0.5, r)
+        o = jnp.einsum("nthc,chv->nthv", latent, w_uv, preferred_element_type=jnp.float32)
         return self.o_proj(o.astype(x.dtype).reshape(n, t, heads * cfg.v_head_dim))
+
+
+def _block_attention(q, pool, kv_scale, page_table, kv_length, scale, value_width):
+    """q [N, T, heads, C] latent queries that all see the same keys (the first kv_length[n] rows)
+    -> [N, T, heads, value_width]. Groups of rows fold into the head axis of one paged decode call,
+    at most FOLD_ROWS query rows per call (the kernel pads them to a power of two and holds them at
+    once); further groups repeat the row's page table as extra batch rows."""
+    n, t, heads, c = q.shape
+    per_group = max(1, min(t, FOLD_ROWS // heads))
+    groups = -(-t // per_group)
+    q = jnp.pad(q, ((0, 0), (0, groups * per_group - t), (0, 0), (0, 0)))
+    q = q.reshape(n * groups, per_group * heads, c)
+    out = mla_ops.paged_decode_attention(q, pool, jnp.repeat(page_table, groups, axis=0),
+                                         jnp.repeat(kv_length, groups), scale=scale, value_width=value_width,
+                                         kv_scale=kv_scale)
+    return out.reshape(n, groups * per_group, heads, value_width)[:, :t]
 
 
 class DraftMLP(nnx.Module):

@@ -70,10 +70,14 @@ def greedy_args(n):
                 greedy_only=True)
 
 
-@pytest.mark.parametrize("num_tokens", [None, 3])
-def test_paged_draft_matches_contiguous_reference(cfg, setup, num_tokens):
+@pytest.mark.parametrize("num_tokens, fold_rows", [(None, dd.FOLD_ROWS), (3, dd.FOLD_ROWS), (None, 16)])
+def test_paged_draft_matches_contiguous_reference(cfg, setup, num_tokens, fold_rows, monkeypatch, request):
     """Rows of different lengths injected in chunks over a random page assignment, with a padding row;
-    num_tokens shortens the block (a reference with that block size)."""
+    num_tokens shortens the block (a reference with that block size); a small fold_rows splits the
+    block's rows over several attention calls."""
+    monkeypatch.setattr(dd, "FOLD_ROWS", fold_rows)
+    jax.clear_caches()  # FOLD_ROWS is read at trace time; traces with another value must not be reused
+    request.addfinalizer(jax.clear_caches)
     draft, head = setup
     rng = np.random.default_rng(2)
     lengths = [9, None, 14, 3]
