@@ -84,11 +84,11 @@ class DSparkConfig:
         return self.hidden_size + (self.markov_rank if self.confidence_head_with_markov else 0)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DSparkConfig:
         return _from_dict(d)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "DSparkConfig":
+    def from_pretrained(cls, path: str | os.PathLike) -> DSparkConfig:
         """Reads `config.json` from a draft checkpoint directory (or the file itself)."""
         path = os.fspath(path)
         if os.path.isdir(path):

@@ -69,7 +69,7 @@ def _stored_names(reader: SafetensorsReader, layout: dict, cfg: DSparkConfig) ->
     """Layout name -> the name in the file; tensors the draft ignores dropped, unknown ones refused."""
     stored, unexpected = {}, []
     for name in reader.names():
-        bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        bare = name.removeprefix(PREFIX)
         if bare in layout:
             if bare in stored:
                 raise CheckpointError(f"draft tensor {bare!r} appears twice (as {stored[bare]!r} and {name!r})")
@@ -80,7 +80,7 @@ def _stored_names(reader: SafetensorsReader, layout: dict, cfg: DSparkConfig) ->
         else:
             unexpected.append(name)
     if unexpected:
-        raise CheckpointError(f"draft checkpoint tensor {sorted(unexpected)[0]!r} is not part of a "
+        raise CheckpointError(f"draft checkpoint tensor {min(unexpected)!r} is not part of a "
                               f"{cfg.num_hidden_layers}-layer DSpark draft"
                               + (f" (nor are {sorted(unexpected)[1:4]})" if len(unexpected) > 1 else ""))
     return stored

@@ -66,8 +66,8 @@ def run_paged(cfg, draft, head, taps, lengths, rng, **propose_args):
 
 
 def greedy_args(n):
-    return dict(temperature=jnp.zeros((n,), jnp.float32), keys=jax.random.split(jax.random.key(0), n),
-                greedy_only=True)
+    return {"temperature": jnp.zeros((n,), jnp.float32), "keys": jax.random.split(jax.random.key(0), n),
+            "greedy_only": True}
 
 
 @pytest.mark.parametrize("num_tokens, fold_rows", [(None, dd.FOLD_ROWS), (3, dd.FOLD_ROWS), (None, 16)])
