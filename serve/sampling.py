@@ -221,32 +221,51 @@ def sample(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array, pr
     if not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"num_logprobs must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
     logits = logits.astype(jnp.float32)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    banned = logits.at[rows, batch.banned_ids].set(-jnp.inf, mode="drop")
-    penalised = apply_penalties(banned, batch, output_counts, prompt_mask)
+    penalised = penalised_logits(logits, batch, output_counts, prompt_mask)
     greedy = batch.temperature == 0
     argmax = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+
     # An all-greedy batch skips the random draw (and any sort) entirely.
     tokens = jax.lax.cond(
         jnp.all(greedy), lambda: argmax,
-        lambda: jnp.where(greedy, argmax, _sample_random(penalised, batch)))
+        lambda: jnp.where(greedy, argmax, gumbel_argmax(filtered_logits(penalised, batch), row_keys(batch))))
+    return SampleResult(tokens, *raw_logprobs(logits, tokens, num_logprobs))
 
+
+def raw_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int):
+    """Log-softmax of f32 logits [..., V] at tokens [...], and the num_logprobs most likely
+    (ids, logprobs [..., num_logprobs]), most likely first."""
     log_normaliser = jax.nn.logsumexp(logits, axis=-1)
-    logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normaliser
+    logprob = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - log_normaliser
     top_logits, top_ids = jax.lax.top_k(logits, num_logprobs)
-    return SampleResult(tokens, logprob, top_ids, top_logits - log_normaliser[:, None])
+    return logprob, top_ids, top_logits - log_normaliser[..., None]
 
 
-def _sample_random(penalised: jax.Array, batch: SamplingBatch) -> jax.Array:
+def gumbel_argmax(logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logits [B, V]), row b with keys[b] (the Gumbel-max trick)."""
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+
+
+def penalised_logits(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array,
+                     prompt_mask: jax.Array) -> jax.Array:
+    """Steps 1-2 on f32 logits [B, V]: banned ids (min_tokens) to -inf, then the penalties."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    banned = logits.at[rows, batch.banned_ids].set(-jnp.inf, mode="drop")
+    return apply_penalties(banned, batch, output_counts, prompt_mask)
+
+
+def filtered_logits(penalised: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """Step 4 before the draw: penalised logits / temperature with what min-p, top-k and top-p drop
+    set to -inf. softmax of the result is the distribution a random row draws from (greedy rows:
+    garbage, never read)."""
     temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)
     scaled = penalised / temperature[:, None]
     # min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p): no softmax needed.
     floor = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)
     floor = jax.lax.cond(jnp.any((batch.top_k > 0) | (batch.top_p < 1)),
                          lambda: _top_k_top_p_floor(scaled, floor, batch.top_k, batch.top_p), lambda: floor)
-    filtered = jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(_row_keys(batch))
-    return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
 
 
 def _top_k_top_p_floor(scaled, floor, top_k, top_p):
@@ -264,7 +283,8 @@ def _top_k_top_p_floor(scaled, floor, top_k, top_p):
     return jnp.maximum(floor, jnp.take_along_axis(ascending, num_dropped[:, None], axis=-1)[:, 0])
 
 
-def _row_keys(batch: SamplingBatch) -> jax.Array:
+def row_keys(batch: SamplingBatch) -> jax.Array:
+    """Each row's PRNG key: (request seed, or engine seed and request id) folded with num_generated."""
     def row_key(seed_words, seeded, request_id, num_generated):
         key = jax.random.wrap_key_data(seed_words, impl="threefry2x32")
         request_words = jax.random.key_data(jax.random.fold_in(key, request_id))
