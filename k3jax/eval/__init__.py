@@ -1,0 +1,11 @@
+"""Batch evaluation over JSONL files: `python -m k3jax.eval` (see README, "Evaluate").
+
+`evaluate(model, tokenizer, data, out, EvalOptions(...))` is the same job from Python. The modules:
+`requests` (input lines -> token rows, bad lines -> error records), `batching` (length-sorted,
+bucketed batches), `scoring` (the jitted, data-sharded forward), `job` (schedule, resume, output),
+`generate` (the engine task), `output` (the results file), `multihost` (collectives), `progress`.
+"""
+
+from k3jax.eval.job import TASKS, EvalOptions, evaluate
+
+__all__ = ["TASKS", "EvalOptions", "evaluate"]
