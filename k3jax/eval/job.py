@@ -86,22 +86,36 @@ def evaluate(model: K3Model, tokenizer, data: str, out: str, options: EvalOption
 
 def _parse(parser: Parser, data: str, done: Done) -> tuple[list[Request], list[dict]]:
     """This process's requests, and the error records of its bad lines not yet in the output (each
-    also reported on stderr). An id seen earlier in the slice is an error: ids key the resume."""
-    requests, errors, seen = [], [], {}
+    also reported on stderr). A repeated id is an error on every line after its first, over all
+    processes' slices (ids key the resume, so they must be unique)."""
+    requests, errors = [], []
+
+    def reject(line, message, request_id=None):
+        if line not in done.lines:
+            log(f"line {line}: {message}")
+            errors.append({"id": request_id, "line": line, "error": message})
+
     for line, text in read_slice(data, multihost.process_index(), multihost.process_count()):
         try:
-            request = parser.parse(line, text, owner=len(requests))
-            key = (type(request.id).__name__, request.id)
-            if key in seen:
-                raise BadLine(f"duplicate id {json.dumps(request.id)} (first on line {seen[key]})")
-            seen[key] = line
+            requests.append(parser.parse(line, text, owner=len(requests)))
         except BadLine as e:
-            if line not in done.lines:
-                log(f"line {line}: {e}")
-                errors.append({"id": getattr(e, "request_id", None), "line": line, "error": str(e)})
+            reject(line, str(e), getattr(e, "request_id", None))
+    first: dict[str, int] = {}
+    local = json.dumps([[r.id, r.line] for r in requests]).encode()
+    for part in multihost.allgather_bytes(local):
+        for rid, line in json.loads(part):
+            key = json.dumps(rid)
+            first[key] = min(first.get(key, line), line)
+    unique = []
+    for request in requests:
+        key = json.dumps(request.id)
+        if first[key] != request.line:
+            reject(request.line, f"duplicate id {key} (first on line {first[key]})", request.id)
             continue
-        requests.append(request)
-    return requests, errors
+        for row in request.rows:
+            row.owner = len(unique)
+        unique.append(request)
+    return unique, sorted(errors, key=lambda r: r["line"])
 
 
 class _Emitter:
