@@ -222,3 +222,25 @@ def test_two_processes_give_the_results_of_one(setup, requests, single):
     for i, (_, err) in enumerate(results):
         for line in range(first_bad, first_bad + len(BAD_LINES)):
             assert (f"line {line}: " in err) == ((line - 1) % 2 == i)
+
+
+def test_generate_uses_each_lines_sampling_params(setup):
+    root, _, model, _ = setup
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, 6).tolist(), rng.integers(0, 256, 9).tolist()]
+    lines = [{"id": "g3", "prompt_ids": prompts[0], "sampling_params": {"temperature": 0, "max_tokens": 3,
+                                                                          "ignore_eos": True}},
+             {"id": "g1", "prompt_ids": prompts[1], "sampling_params": {"temperature": 0, "max_tokens": 1}},
+             {"id": "bad", "prompt_ids": [1, 2], "sampling_params": {"bogus": 1}},
+             {"id": "long", "prompt_ids": [1] * T}]
+    path = root / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run(model, None, path, root / "gen.jsonl", task="generate", engine_options={"block_size": 8})
+    got = records(root / "gen.jsonl")
+    assert [r["line"] for r in got] == [1, 2, 3, 4]
+    for record, prompt, n in zip(got, prompts, (3, 1)):
+        tokens = list(prompt)
+        for _ in range(n):  # greedy by full forwards
+            tokens.append(int(np.argmax(reference_logits(model, tokens)[-1])))
+        assert record["token_ids"] == tokens[len(prompt):] and record["finish_reason"] == "length"
+    assert "bogus" in got[2]["error"] and "max_model_len" in got[3]["error"]
