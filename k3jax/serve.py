@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -20,6 +19,7 @@ import uvicorn
 from k3jax.loading import from_pretrained
 from serve.api_server import ServerConfig, build_app
 from serve.async_engine import AsyncEngine
+from serve.dspark import speculation
 from serve.engine import KV_CACHE_DTYPES, Engine, EngineOptions
 from serve.llm import DEFAULT_MODEL, default_model_dir, load_tokenizer
 from sharding import distributed
@@ -52,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching)
     parser.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed of requests without one")
-    parser.add_argument("--speculative-config", type=json.loads,
-                        help='JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 7}\'')
+    parser.add_argument("--speculative-config", type=_speculative_config,
+                        help='JSON, e.g. \'{"method": "dspark", "model": DRAFT_DIR, "num_speculative_tokens": 7}\'')
     parser.add_argument("--max-queued-requests", type=int, default=256,
                         help="requests that may wait beyond the running batch; more get 503")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
@@ -61,10 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # TESTING ONLY: lets chat requests force the model's output, to test the parsers end to end.
     parser.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     distributed.add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.speculative_config is not None:
-        parser.error("--speculative-config: speculative decoding (DSpark) is not available in the engine yet")
-    return args
+    return parser.parse_args(argv)
+
+
+def _speculative_config(text: str) -> dict:
+    try:
+        return speculation.parse_config(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def enable_compilation_cache() -> None:
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                             max_prefill_rows=args.max_num_partial_prefills, block_size=args.block_size,
                             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                             num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
-                            enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                            enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                            speculative_config=args.speculative_config)
     log = logging.getLogger("k3jax.serve")
     log.info("loading %s", path)
     model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,

@@ -109,7 +109,10 @@ class AsyncEngine:
             except Exception as error:  # an engine bug: fail what is in flight, keep serving new requests
                 logger.exception("engine step failed; failing the %d requests in flight", len(self._requests))
                 self._fail_all(error)
-            self.metrics.observe_engine(self.engine)
+            try:
+                self.metrics.observe_engine(self.engine)
+            except Exception:  # a metrics bug must not stop the engine loop
+                logger.exception("refreshing the engine metrics failed")
 
     def _take_commands(self, wait: bool) -> list:
         commands = [self._inbox.get()] if wait else []

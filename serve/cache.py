@@ -27,10 +27,12 @@ class CacheLayout:
 
     @staticmethod
     def from_budget(cfg: K3Config, *, memory_bytes: int, max_num_seqs: int, page_size: int,
-                    dtype_bytes: int, kv_cache_dtype_bytes: int) -> "CacheLayout":
-        """Slots for `max_num_seqs` requests, then as many pages as the rest of `memory_bytes` holds."""
+                    dtype_bytes: int, kv_cache_dtype_bytes: int, draft_page_bytes: int = 0) -> "CacheLayout":
+        """Slots for `max_num_seqs` requests, then as many pages as the rest of `memory_bytes` holds
+        (`draft_page_bytes`: what a speculative draft keeps per page beside the target's MLA rows)."""
         slots = max_num_seqs + 1
-        pages = (memory_bytes - slots * slot_bytes(cfg, dtype_bytes)) // page_bytes(cfg, page_size, kv_cache_dtype_bytes)
+        per_page = page_bytes(cfg, page_size, kv_cache_dtype_bytes) + draft_page_bytes
+        pages = (memory_bytes - slots * slot_bytes(cfg, dtype_bytes)) // per_page
         if pages < 2:
             raise ValueError(f"a cache budget of {memory_bytes} bytes holds {max_num_seqs} KDA slots but not a "
                              f"single {page_size}-token MLA page; raise the budget or lower max_num_seqs")

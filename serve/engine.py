@@ -16,6 +16,7 @@ import numpy as np
 
 from k3jax.model import K3Model
 from serve import sampling
+from serve.dspark import speculation
 from serve.cache import CacheAllocator, CacheLayout, page_bytes
 from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
@@ -42,6 +43,9 @@ class EngineOptions:
     enable_prefix_caching: bool = False
     num_snapshot_slots: int | None = None  # KDA snapshots the prefix cache keeps (default: max_num_seqs)
     seed: int = 0
+    # {"method": "dspark", "model": DIR, "num_speculative_tokens": K, "draft_sample_method": "greedy" |
+    # "probabilistic"} (vLLM's keys), or that as a JSON string
+    speculative_config: dict | str | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -67,20 +71,29 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, model: K3Model, options: EngineOptions | None = None, *, tokenizer=None):
+    def __init__(self, model: K3Model, options: EngineOptions | None = None, *, tokenizer=None, speculator=None):
+        """`speculator`: a drafter object (serve.dspark.speculator) instead of `options.speculative_config`."""
         self.model = model
         self.options = options = options or EngineOptions()
         self.tokenizer = tokenizer
         cfg = model.config
         kv_dtype = KV_CACHE_DTYPES[options.kv_cache_dtype] or model.dtype
-        self.layout = self._layout(cfg, options, jnp.dtype(model.dtype).itemsize, jnp.dtype(kv_dtype).itemsize)
+        if speculator is None and options.speculative_config is not None:
+            speculator = speculation.from_config(options.speculative_config, model, kv_dtype)
+        self.speculator = speculator
+        self.stats_counters = speculation.SpecStats(speculator.num_speculative_tokens if speculator else 0)
+        self.layout = self._layout(cfg, options, jnp.dtype(model.dtype).itemsize, jnp.dtype(kv_dtype).itemsize,
+                                   speculator.page_bytes(options.block_size) if speculator else 0)
         self.prefix_cache = PrefixCache(options.block_size) if options.enable_prefix_caching else None
         self.allocator = CacheAllocator(self.layout, self.prefix_cache)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=options.max_num_seqs,
                                    max_num_batched_tokens=options.max_num_batched_tokens,
                                    max_prefill_chunk=min(options.max_prefill_chunk, options.max_num_batched_tokens),
                                    max_prefill_rows=options.max_prefill_rows)
-        self.runner = Runner(model, self.layout, max_model_len=options.max_model_len, kv_cache_dtype=kv_dtype)
+        self.runner = Runner(model, self.layout, max_model_len=options.max_model_len, kv_cache_dtype=kv_dtype,
+                             taps=speculator.taps if speculator else None)
+        if speculator is not None:
+            speculator.bind(self.runner, options.seed)
         self.decode_rows = buckets(options.max_num_seqs)
         self.prefill_rows = buckets(options.max_prefill_rows)
         self.prefill_tokens = buckets(self.scheduler.max_prefill_chunk, smallest=min(16, self.scheduler.max_prefill_chunk))
@@ -92,7 +105,7 @@ class Engine:
         self._arrivals = itertools.count()
 
     @staticmethod
-    def _layout(cfg, options: EngineOptions, dtype_bytes: int, kv_bytes: int) -> CacheLayout:
+    def _layout(cfg, options: EngineOptions, dtype_bytes: int, kv_bytes: int, draft_page_bytes: int) -> CacheLayout:
         snapshots = 0
         if options.enable_prefix_caching:
             snapshots = options.max_num_seqs if options.num_snapshot_slots is None else options.num_snapshot_slots
@@ -103,12 +116,14 @@ class Engine:
         elif options.kv_cache_memory_bytes is not None:
             pages = CacheLayout.from_budget(cfg, memory_bytes=options.kv_cache_memory_bytes,
                                             max_num_seqs=slots - 1, page_size=options.block_size,
-                                            dtype_bytes=dtype_bytes, kv_cache_dtype_bytes=kv_bytes).num_pages
+                                            dtype_bytes=dtype_bytes, kv_cache_dtype_bytes=kv_bytes,
+                                            draft_page_bytes=draft_page_bytes).num_pages
         else:  # every slot can hold a full-length request
             pages = options.max_num_seqs * (min_pages - 1) + 1
         if pages < min_pages:
             raise ValueError(f"{pages} pages of {options.block_size} tokens "
-                             f"({pages * page_bytes(cfg, options.block_size, kv_bytes)} bytes) cannot hold one "
+                             f"({pages * (page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes)} bytes) "
+                             "cannot hold one "
                              f"request of max_model_len={options.max_model_len}; raise the cache budget")
         return CacheLayout(options.block_size, pages, slots)
 
@@ -155,7 +170,10 @@ class Engine:
         if self.prefix_cache is not None:
             self.runner.copy_slot(0, 0)
         for num_rows in self.decode_rows:
-            self._warm(num_rows, 1)
+            if self.speculator is None:
+                self._warm(num_rows, 1)
+            else:
+                speculation.warm_verify(self, num_rows)
         for num_rows in self.prefill_rows:
             for num_tokens in self.prefill_tokens:
                 self._warm(num_rows, num_tokens)
@@ -165,8 +183,19 @@ class Engine:
         if self.prefix_cache is not None:
             self.allocator.reset_prefix_cache()
 
+    def stats(self) -> dict:
+        """Counters: preemptions, prefix-cache hit rate, and the speculative acceptance figures."""
+        stats = {"num_preemptions": self.scheduler.num_preemptions}
+        if self.prefix_cache is not None:
+            stats["prefix_cache_hit_rate"] = self.prefix_cache.hit_rate
+        if self.speculator is not None:
+            stats.update(self.stats_counters.as_dict())
+        return stats
+
     def _warm(self, num_rows: int, num_tokens: int) -> None:
-        logits = self.runner.run([], num_rows, num_tokens)
+        logits, taps = self.runner.run([], num_rows, num_tokens)
+        if self.speculator is not None:
+            self.speculator.observe([], taps)
         for ready in ([], [(0, Request("warmup", [0], SamplingParams(logprobs=1), -1))]):
             self._sample(logits, ready)  # without and with logprobs
 
@@ -175,26 +204,40 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the requests that got a token or finished."""
         plan = self.scheduler.schedule()
-        sampled = []
+        touched = []
         if plan.prefill:
             rows = [(r.tokens[r.computed:r.computed + n], r) for r, n in plan.prefill]
-            sampled += self._run(rows, bucket(len(rows), self.prefill_rows),
-                                 bucket(max(len(t) for t, _ in rows), self.prefill_tokens))
-        if plan.decode:
+            touched += self._emit(self._run(rows, bucket(len(rows), self.prefill_rows),
+                                            bucket(max(len(t) for t, _ in rows), self.prefill_tokens)))
+        if plan.decode and self.speculator is not None:
+            touched += speculation.verify_step(self, plan.decode)
+        elif plan.decode:
             rows = [(r.tokens[r.computed:], r) for r in plan.decode]
-            sampled += self._run(rows, bucket(len(rows), self.decode_rows), 1)
-        outputs = []
-        for request, token in sampled:
-            self._append(request, token)
-            outputs.append(self._output(request))
+            touched += self._emit(self._run(rows, bucket(len(rows), self.decode_rows), 1))
+        requests = list(dict.fromkeys(touched))
+        outputs = [self._output(r) for r in requests]
+        if self.speculator is not None:
+            speculation.propose(self, [r for r in requests if r.status is Status.RUNNING])
         return outputs
 
-    def _run(self, rows, num_rows: int, num_tokens: int) -> list[tuple[Request, int]]:
+    def _emit(self, sampled: list[tuple[Request, int, dict | None]]) -> list[Request]:
+        """Appends sampled tokens (with their logprobs entries) and applies the stop rules; tokens that
+        follow a stop in the same step (a speculative window's) are dropped."""
+        for request, token, logprobs in sampled:
+            if request.status is not Status.FINISHED:
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+                self._append(request, token)
+        return [r for r, _, _ in sampled]
+
+    def _run(self, rows, num_rows: int, num_tokens: int) -> list[tuple[Request, int, dict | None]]:
         for _, request in rows:  # prefix-cache hits resume from a KDA snapshot
             if request.restore_from is not None:
                 self.runner.copy_slot(request.restore_from, request.slot)
                 request.restore_from = None
-        logits = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens)
+        logits, taps = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens)
+        if self.speculator is not None:  # the draft reads the target's hidden states of these tokens
+            self.speculator.observe([(r, r.computed, len(new)) for new, r in rows], taps)
         for new, request in rows:
             request.computed += len(new)
             if self.prefix_cache is not None and (copy := self.scheduler.register(request)) is not None:
@@ -202,11 +245,11 @@ class Engine:
         ready = [(i, r) for i, (_, r) in enumerate(rows) if r.pending == 0]
         if not ready:
             return []
-        tokens = self._sample(logits, ready)
-        return [(r, t) for (_, r), t in zip(ready, tokens)]
+        return [(r, *picked) for (_, r), picked in zip(ready, self._sample(logits, ready))]
 
-    def _sample(self, logits, ready) -> list[int]:
-        """Samples the next token of each ready row (row index, request); the logits' other rows are padding."""
+    def _sample(self, logits, ready) -> list[tuple[int, dict | None]]:
+        """Samples the next token of each ready row (row index, request); the logits' other rows are padding.
+        Returns (token, its logprobs entry or None) per ready row."""
         num_rows, vocab = logits.shape
         params: list = [None] * num_rows
         generated, ids = [0] * num_rows, [0] * num_rows
@@ -219,15 +262,12 @@ class Engine:
         result = sampling.sample(logits, batch, counts, prompt_mask,
                                  num_logprobs=sampling.MAX_LOGPROBS if wants_logprobs else 0)
         tokens = np.asarray(result.tokens)
+        entries = [None] * len(ready)
         if wants_logprobs:
             chosen, top_ids, top = map(np.asarray, (result.logprob, result.top_ids, result.top_logprobs))
-            for i, request in ready:
-                if request.params.logprobs is not None:
-                    n = request.params.logprobs
-                    entry = {int(t): float(v) for t, v in zip(top_ids[i, :n], top[i, :n])}
-                    entry[int(tokens[i])] = float(chosen[i])
-                    request.logprobs.append(entry)
-        return [int(tokens[i]) for i, _ in ready]
+            entries = [sampling.logprobs_entry(r.params.logprobs, tokens[i], chosen[i], top_ids[i], top[i])
+                       for i, r in ready]
+        return [(int(tokens[i]), entry) for (i, _), entry in zip(ready, entries)]
 
     def _penalty_inputs(self, ready, num_rows: int, vocab: int):
         """Output-token counts and prompt masks [num_rows, vocab]; zeros unless a row uses a penalty.

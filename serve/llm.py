@@ -52,6 +52,10 @@ class LLM:
         self.model = from_pretrained(path, dtype=dtype, mesh=mesh)
         self.engine = Engine(self.model, EngineOptions(**engine_options), tokenizer=load_tokenizer(path))
 
+    def stats(self) -> dict:
+        """The engine's counters: preemptions, prefix-cache hit rate, speculative acceptance."""
+        return self.engine.stats()
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

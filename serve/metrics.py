@@ -40,6 +40,20 @@ class ServerMetrics:
         self.free_slots = Gauge("k3jax:cache_free_slots", "Free KDA state slots", registry=registry)
         self.total_slots = Gauge("k3jax:cache_slots", "KDA state slots a request or snapshot can use",
                                  registry=registry)
+        self.spec_drafts = Counter("k3jax:spec_decode_num_drafts", "Speculative windows verified with drafts",
+                                   registry=registry)
+        self.spec_draft_tokens = Counter("k3jax:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                         registry=registry)
+        self.spec_accepted_tokens = Counter("k3jax:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=registry)
+        self.spec_accepted_per_position = Counter("k3jax:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                                  "accepted, by position in the window", ["position"],
+                                                  registry=registry)
+        self.spec_acceptance_rate = Gauge("k3jax:spec_decode_acceptance_rate", "Accepted over proposed drafts",
+                                          registry=registry)
+        self.spec_mean_accepted_length = Gauge("k3jax:spec_decode_mean_accepted_length", "Tokens per verified "
+                                               "window: accepted drafts plus the target's own", registry=registry)
+        self._spec_seen: dict = {}
         self.prefix_cache_hit_rate = Gauge("k3jax:prefix_cache_hit_rate", "Prompt tokens found in the prefix "
                                            "cache over prompt tokens looked up", registry=registry)
 
@@ -56,6 +70,21 @@ class ServerMetrics:
         self.total_slots.set(layout.num_slots - 1)  # slot 0 is the null slot
         if engine.prefix_cache is not None:
             self.prefix_cache_hit_rate.set(engine.prefix_cache.hit_rate)
+        if engine.speculator is not None:
+            self._observe_speculation(engine.stats())
+
+    def _observe_speculation(self, stats: dict) -> None:
+        """The engine's counters are totals; Prometheus counters are advanced by what is new."""
+        seen = self._spec_seen
+        for counter, key in ((self.spec_drafts, "spec_num_drafts"), (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                             (self.spec_accepted_tokens, "spec_num_accepted_tokens")):
+            counter.inc(stats[key] - seen.get(key, 0))
+        for position, total in enumerate(stats["spec_accepted_per_position"]):
+            self.spec_accepted_per_position.labels(str(position)).inc(total - seen.get(position, 0))
+            seen[position] = total
+        seen.update((k, stats[k]) for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"))
+        self.spec_acceptance_rate.set(stats["spec_acceptance_rate"])
+        self.spec_mean_accepted_length.set(stats["spec_mean_accepted_length"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

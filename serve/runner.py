@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.decoder import PagedState, init_pools
-from k3jax.layers.kda import KDACache
+from k3jax.decoder import PagedState, TapSpec, init_pools
+from k3jax.layers.kda import KDACache, commit_record
 from k3jax.model import K3Model
 from k3jax.placement import layer_cache_shardings
 from serve.cache import CacheLayout
@@ -36,11 +36,32 @@ def bucket(value: int, sizes: tuple[int, ...]) -> int:
     return next(s for s in sizes if s >= value)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _step(graphdef, params, pools, tokens, lengths, offsets, slots, page_table):
+@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
+def _step(graphdef, params, pools, tokens, lengths, offsets, slots, page_table, taps):
+    """Last-token logits [rows, V], the pools, and the tapped hidden states [rows, T, F] (or None)."""
     model = nnx.merge(graphdef, params)
-    logits, state = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), last_only=True)
-    return logits, state.layers
+    out = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), last_only=True, taps=taps)
+    return out[0], out[1].layers, out[2].taps if taps is not None else None
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
+def _verify(graphdef, params, pools, tokens, lengths, offsets, slots, page_table, taps):
+    """A speculative window per row: logits of every position [rows, W, V], the pools (MLA rows
+    written for the whole window, KDA slots untouched), the taps and the KDA records."""
+    model = nnx.merge(graphdef, params)
+    logits, state, aux = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), taps=taps,
+                               record=True)
+    return logits, state.layers, aux.taps, aux.records
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _commit(pools, records, slots, accepted):
+    """Folds the first accepted[n] window tokens of each row into its KDA slot (every KDA layer)."""
+    def commit(pool, record):
+        if record is None:
+            return pool
+        return jax.vmap(commit_record, in_axes=(0, 0, None, None))(pool, record, slots, accepted)
+    return tuple(tuple(commit(p, r) for p, r in zip(seg, seg_records)) for seg, seg_records in zip(pools, records))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -56,20 +77,38 @@ def _copy_slot(pools, source, target):
 class Runner:
     """Owns the cache pools; `run` is one step over the given rows."""
 
-    def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None):
+    def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None,
+                 taps: TapSpec | None = None):
         if model.mesh is not None and model.mesh.shape["data"] > 1:
             raise ValueError("the engine runs on meshes with data=1 for now (tensor and expert parallel over "
                              f"model); got {dict(model.mesh.shape)}")
         self.model = model
         self.layout = layout
+        self.taps = taps  # the hidden states a speculator reads: every step then returns them
         self.page_table_width = -(-max_model_len // layout.page_size)
         make = functools.partial(init_pools, model.config, num_slots=layout.num_slots, num_pages=layout.num_pages,
                                  page_size=layout.page_size, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
         self.pools = make() if model.mesh is None else jax.jit(make, out_shardings=self._pool_shardings(make))()
 
-    def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int) -> jax.Array:
+    def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int):
         """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens.
-        Returns float32 logits [num_rows, vocab] of each row's last new token (padding rows: garbage)."""
+        Returns (float32 logits [num_rows, vocab] of each row's last new token (padding rows: garbage),
+        the tapped hidden states [num_rows, num_tokens, F] or None)."""
+        logits, self.pools, taps = self._call(_step, *self._arrays(rows, num_rows, num_tokens))
+        return logits, taps
+
+    def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
+        """Like `run` over speculative windows (the last token, then the drafts), without touching the
+        KDA slots. Returns (logits [num_rows, window, vocab], taps or None, KDA records for `commit`)."""
+        logits, self.pools, taps, records = self._call(_verify, *self._arrays(rows, num_rows, window))
+        return logits, taps, records
+
+    def commit(self, records, slots: np.ndarray, accepted) -> None:
+        """After `verify`: each row's KDA slot gets the state after its first accepted[n] window tokens."""
+        with self._mesh():
+            self.pools = _commit(self.pools, records, jnp.asarray(slots), jnp.asarray(accepted))
+
+    def _arrays(self, rows, num_rows: int, num_tokens: int):
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         lengths = np.zeros(num_rows, np.int32)
         offsets = np.zeros(num_rows, np.int32)
@@ -79,20 +118,20 @@ class Runner:
             tokens[i, :len(new)] = new
             lengths[i], offsets[i], slots[i] = len(new), cached, slot
             table[i, :len(pages)] = pages
-        logits, self.pools = self._call(tokens, lengths, offsets, slots, table)
-        return logits
+        return tokens, lengths, offsets, slots, table
 
     def copy_slot(self, source: int, target: int) -> None:
         """Copies a KDA slot: a prefix-cache snapshot into a request's slot, or the other way round."""
-        with jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext():
+        with self._mesh():
             self.pools = _copy_slot(self.pools, jnp.int32(source), jnp.int32(target))
 
-    def _call(self, *arrays):
+    def _mesh(self):
+        return jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext()
+
+    def _call(self, fn, *arrays):
         model = self.model
-        if model.mesh is None:
-            return _step(model.graphdef, model.params, self.pools, *map(jnp.asarray, arrays))
-        with jax.set_mesh(model.mesh):
-            return _step(model.graphdef, model.params, self.pools, *map(jnp.asarray, arrays))
+        with self._mesh():
+            return fn(model.graphdef, model.params, self.pools, *map(jnp.asarray, arrays), self.taps)
 
     def _pool_shardings(self, make):
         return layer_cache_shardings(jax.eval_shape(make), self.model.mesh)

@@ -294,6 +294,15 @@ def row_keys(batch: SamplingBatch) -> jax.Array:
     return jax.vmap(row_key)(batch.seed_words, batch.seeded, batch.request_id, batch.num_generated)
 
 
+def logprobs_entry(n: int | None, token, chosen, top_ids, top) -> dict | None:
+    """A token's logprobs as the outputs carry them: its n most likely alternatives and itself."""
+    if n is None:
+        return None
+    entry = {int(t): float(v) for t, v in zip(top_ids[:n], top[:n])}
+    entry[int(token)] = float(chosen)
+    return entry
+
+
 @jax.jit
 def update_counts(output_counts: jax.Array, tokens: jax.Array, active: jax.Array) -> jax.Array:
     """Adds each active row's new token to output_counts int32 [B, V]."""

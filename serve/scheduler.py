@@ -1,9 +1,9 @@
 """Continuous batching: which requests run in the next step, and how many of their tokens.
 
-Each step runs the decoding requests (one token each) and prefill chunks of the others within a
-token budget: a long prompt is spread over steps with its KDA state and MLA pages carried, so a
-prefill never stalls the decodes. Requests are admitted first come, first served while a slot, pages
-and room under `max_num_seqs` remain. When a decoding request needs a page and none is free, the
+Each step runs the decoding requests (one token each, plus their speculative drafts when the budget
+leaves room) and prefill chunks of the others within a token budget: a long prompt is spread over
+steps with its KDA state and MLA pages carried, so a prefill never stalls the decodes. Requests are
+admitted first come, first served while a slot, pages and room under `max_num_seqs` remain. When a decoding request needs a page and none is free, the
 most recently admitted request is preempted: its pages and slot are freed and it restarts later by
 recomputing its prompt and the tokens it already generated (so its output does not change).
 """
@@ -40,6 +40,8 @@ class Request:
     logprobs: list[dict] = dataclasses.field(default_factory=list)  # per output token, when asked for
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache hash of each full page
     restore_from: int | None = None  # a prefix-cache snapshot slot to copy into `slot` before running
+    drafts: list[int] = dataclasses.field(default_factory=list)  # speculative tokens the next step verifies
+    draft_logits: object = None  # with probabilistic drafting: (device array, row) of the drafts' logits
 
     @property
     def tokens(self) -> list[int]:
@@ -85,13 +87,18 @@ class Scheduler:
         for request in list(decode):
             if request.status is not Status.RUNNING:  # preempted while making room for an earlier one
                 continue
-            while not self._reserve(request, 1):
+            if request.drafts and not self.reserve(request, 1 + len(request.drafts)):
+                request.drafts, request.draft_logits = [], None  # speculation never preempts anyone
+            while not self.reserve(request, 1):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
                     break
         decode = [r for r in decode if r.status is Status.RUNNING]
         budget = self.max_num_batched_tokens - len(decode)
+        for request in decode:  # drafts ride in what the budget leaves after one token per decode
+            request.drafts = request.drafts[:max(budget, 0)]
+            budget -= len(request.drafts)
         prefill: list[tuple[Request, int]] = []
         for request in [r for r in self.running if r.pending > 1]:  # chunked prefills under way
             if budget <= 0 or len(prefill) == self.max_prefill_rows:
@@ -159,7 +166,7 @@ class Scheduler:
         chunk = min(request.pending, budget, self.max_prefill_chunk)
         if self.prefix_cache is not None and request.computed < self.snapshot_boundary(request):
             chunk = min(chunk, self.snapshot_boundary(request) - request.computed)  # end where the snapshot is taken
-        while chunk > 0 and not self._reserve(request, chunk):
+        while chunk > 0 and not self.reserve(request, chunk):
             chunk = min(chunk - 1, self._fits(request))
         return max(chunk, 0)
 
@@ -168,7 +175,8 @@ class Scheduler:
         capacity = (len(request.pages) + self.allocator.free_pages) * self.allocator.layout.page_size
         return capacity - request.computed
 
-    def _reserve(self, request: Request, new_tokens: int) -> bool:
+    def reserve(self, request: Request, new_tokens: int) -> bool:
+        """Makes the request's pages cover `new_tokens` more tokens; False (nothing taken) when pages run out."""
         needed = self.allocator.pages_for(request.computed + new_tokens) - len(request.pages)
         if needed <= 0:
             return True
@@ -182,6 +190,7 @@ class Scheduler:
         """Frees (or hands back to the prefix cache) everything the request holds."""
         self.allocator.free(request.pages, request.slot)
         request.pages, request.slot, request.computed, request.hashes, request.restore_from = [], None, 0, [], None
+        request.drafts, request.draft_logits = [], None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

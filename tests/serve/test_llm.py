@@ -32,6 +32,7 @@ def test_default_model_is_written_once_and_serves_text(llm):
     for o in out:
         assert len(o.token_ids) == 6 and o.finish_reason == "length"
         assert o.text == tokenizer.decode(o.token_ids, skip_special_tokens=True)
+    assert set(llm.stats()) == {"num_preemptions"}  # no prefix cache, no speculation: nothing else to count
 
 
 def test_stop_string_cuts_the_text_where_it_starts(llm):
@@ -71,12 +72,12 @@ def test_fp8_pages_agree_with_bf16_on_most_greedy_tokens():
     pages = list(range(1, 20))
     tokens, picks = list(prompt), {kv: [] for kv in runners}
     for kv, runner in runners.items():
-        logits = runner.run([(prompt, 0, 1, pages)], 1, 8)
+        logits, _ = runner.run([(prompt, 0, 1, pages)], 1, 8)
         picks[kv].append(int(np.argmax(logits[0])))
     tokens.append(picks["bf16"][-1])
     while len(tokens) < len(prompt) + 128:
         for kv, runner in runners.items():
-            logits = runner.run([([tokens[-1]], len(tokens) - 1, 1, pages)], 1, 1)
+            logits, _ = runner.run([([tokens[-1]], len(tokens) - 1, 1, pages)], 1, 1)
             picks[kv].append(int(np.argmax(logits[0])))
         tokens.append(picks["bf16"][-1])
     agree = np.mean(np.asarray(picks["bf16"]) == np.asarray(picks["fp8"]))

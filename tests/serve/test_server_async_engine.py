@@ -21,6 +21,7 @@ class ScriptedEngine:
     options = SimpleNamespace(max_num_seqs=2, max_model_len=64)
     tokenizer = None
     prefix_cache = None
+    speculator = None
     layout = SimpleNamespace(num_pages=9, num_slots=3)
     allocator = SimpleNamespace(free_pages=8, free_slots=2)
 

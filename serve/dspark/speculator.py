@@ -1,0 +1,154 @@
+"""What proposes the drafts the engine verifies: the DSpark draft model, or a scripted proposer.
+
+The engine talks to a speculator through three calls, all over the rows of one step:
+- `observe(rows, taps, accepted)`: the target just computed these tokens (prefill chunks, or the
+  accepted part of verify windows); a DSpark draft writes their context KV into its pages.
+- `propose(requests, num_rows)`: the next drafts of each request, continuing its last token (the bonus) at
+  position `request.computed`; returns int32 [N, K] and, for probabilistic drafting, the draft
+  logits [num_rows, K, V] the rejection test needs (else None).
+- the sizes the engine budgets for: `num_speculative_tokens`, `taps` (target hidden states to
+  return), `page_bytes(page_size)` (extra bytes per MLA page).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.decoder import TapSpec
+from serve.dspark.draft import init_draft_pages, inject_context, propose, shared_head
+from serve.dspark.loading import load_draft
+from serve.dspark.rejection import draft_keys
+from serve.sampling import SamplingBatch
+
+
+class ScriptedSpeculator:
+    """Drafts from a function of the request (for tests and benchmarks): `continuation(request)` returns
+    the tokens it believes follow `request.tokens` (e.g. the target's own greedy output: an oracle
+    whose drafts are all accepted; or random tokens: nearly all rejected). Greedy drafting only."""
+
+    taps = None
+    probabilistic = False
+
+    def __init__(self, num_speculative_tokens: int, continuation: Callable):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.continuation = continuation
+
+    def page_bytes(self, page_size: int) -> int:
+        return 0
+
+    def bind(self, runner, engine_seed: int) -> None:
+        pass
+
+    def warmup(self, num_rows: int, taps) -> None:
+        pass
+
+    def observe(self, rows, taps, accepted=None) -> None:
+        pass
+
+    def propose(self, requests, num_rows: int) -> tuple[np.ndarray, None]:
+        k = self.num_speculative_tokens
+        drafts = np.zeros((len(requests), k), np.int32)
+        for i, request in enumerate(requests):
+            guess = list(self.continuation(request))[:k]
+            drafts[i, :len(guess)] = guess
+        return drafts, None
+
+
+class DSparkSpeculator:
+    """The DSpark draft (serve.dspark.draft) beside the target: its own MLA pages, addressed by the
+    target's page table (a draft row for position t lives in the same page id as the target's), so
+    the cache manager allocates, shares (prefix cache) and frees both together."""
+
+    def __init__(self, cfg, draft, target, *, num_speculative_tokens: int | None = None,
+                 probabilistic: bool = False, kv_cache_dtype=None):
+        k = cfg.block_size if num_speculative_tokens is None else num_speculative_tokens
+        if not 1 <= k <= cfg.block_size:
+            raise ValueError(f"num_speculative_tokens={k}: the draft proposes at most its block_size "
+                             f"({cfg.block_size}) tokens per step")
+        cfg.check_target(target.config)
+        self.cfg = cfg
+        self.num_speculative_tokens = k
+        self.probabilistic = probabilistic
+        self.taps = TapSpec(tuple(cfg.target_layer_ids), cfg.target_hidden_tap)
+        self.graphdef, self.params = nnx.split(draft)
+        self.head = shared_head(target)
+        self.mesh = target.mesh
+        self.kv_cache_dtype = kv_cache_dtype or target.dtype
+        self.draft_logits_shape = (k, target.config.vocab_size)
+
+    @classmethod
+    def load(cls, path: str, target, *, num_speculative_tokens=None, probabilistic=False, kv_cache_dtype=None):
+        cfg, draft = load_draft(path, target.config, dtype=target.dtype, mesh=target.mesh)
+        return cls(cfg, draft, target, num_speculative_tokens=num_speculative_tokens, probabilistic=probabilistic,
+                   kv_cache_dtype=kv_cache_dtype)
+
+    def page_bytes(self, page_size: int) -> int:
+        return self.cfg.num_hidden_layers * page_size * self.cfg.cache_width * jnp.dtype(self.kv_cache_dtype).itemsize
+
+    def bind(self, runner, engine_seed: int) -> None:
+        self.page_table_width = runner.page_table_width
+        self.engine_seed = engine_seed
+        with self._mesh():
+            self.pages = init_draft_pages(self.cfg, runner.layout.num_pages, runner.layout.page_size,
+                                          self.kv_cache_dtype)
+
+    def observe(self, rows, taps, accepted=None) -> None:
+        """rows: (request, position of its first token here, tokens) over the first rows of taps
+        [N, T, F]; `accepted` (device int32 [N]) further limits each row to its accepted tokens."""
+        num_rows = taps.shape[0]
+        counts = np.zeros(num_rows, np.int32)
+        offsets = np.zeros(num_rows, np.int32)
+        for i, (_, offset, count) in enumerate(rows):
+            counts[i], offsets[i] = count, offset
+        counts = jnp.asarray(counts) if accepted is None else jnp.minimum(jnp.asarray(counts), accepted)
+        with self._mesh():
+            self.pages = _inject(self.graphdef, self.params, self.pages, taps, counts, jnp.asarray(offsets),
+                                 jnp.asarray(self._table([r for r, _, _ in rows], num_rows)))
+
+    def propose(self, requests, num_rows: int) -> tuple[np.ndarray, object]:
+        bonus = np.zeros(num_rows, np.int32)
+        positions = np.zeros(num_rows, np.int32)
+        for i, request in enumerate(requests):
+            bonus[i], positions[i] = request.tokens[-1], request.computed
+        batch = SamplingBatch.from_params([r.params for r in requests], num_rows,
+                                          num_generated=[len(r.output) for r in requests],
+                                          request_ids=[r.arrival for r in requests], engine_seed=self.engine_seed)
+        with self._mesh():
+            drafts, draft_logits, self.pages = _propose(
+                self.graphdef, self.params, self.pages, jnp.asarray(bonus), jnp.asarray(positions),
+                jnp.asarray(self._table(requests, num_rows)), self.head, jnp.asarray(batch.temperature),
+                draft_keys(batch), not self.probabilistic, self.num_speculative_tokens)
+        return np.asarray(drafts)[:len(requests)], draft_logits if self.probabilistic else None
+
+    def warmup(self, num_rows: int, taps) -> None:
+        self.observe([], taps)
+        self.propose([], num_rows)
+
+    def _table(self, requests, num_rows: int) -> np.ndarray:
+        table = np.zeros((num_rows, self.page_table_width), np.int32)
+        for i, request in enumerate(requests):
+            table[i, :len(request.pages)] = request.pages
+        return table
+
+    def _mesh(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _inject(graphdef, params, pages, taps, counts, offsets, page_table):
+    valid = jnp.arange(taps.shape[1], dtype=jnp.int32)[None, :] < counts[:, None]
+    return inject_context(nnx.merge(graphdef, params), pages, taps, valid, offsets, page_table)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=2)
+def _propose(graphdef, params, pages, bonus, positions, page_table, head, temperature, keys, greedy_only,
+             num_tokens):
+    return propose(nnx.merge(graphdef, params), pages, bonus, positions, page_table, head, temperature=temperature,
+                   keys=keys, greedy_only=greedy_only, num_tokens=num_tokens)

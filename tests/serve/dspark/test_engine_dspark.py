@@ -1,0 +1,111 @@
+"""The engine with the DSpark draft of `python -m convert.synth --preset k3-tiny-dspark` (fp32).
+
+The draft's pages are filled incrementally (prefill chunks, the accepted part of each verify window,
+prefix-cache hits that skip tokens), so the drafts it proposes must equal those of a draft whose
+context is injected in one go from a full forward of the target over the same tokens. Greedy
+outputs equal the target's own greedy decoding; sampled requests with probabilistic drafts are
+reproducible under a seed.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from convert import synth
+from serve.dspark import draft as dd
+from serve.engine import Engine, EngineOptions
+from serve.sampling import SamplingParams
+from tests.serve.test_engine import assert_pool_full, model, reference_greedy, run_all, workload  # noqa: F401
+
+K = 4
+MAX_LEN = 96
+PAGE_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("draft")
+    synth.main(["--preset", "k3-tiny-dspark", "--out", str(directory), "--seed", "1"])
+    return str(directory)
+
+
+def make_engine(model, draft_dir, **spec):  # noqa: F811
+    return Engine(model, EngineOptions(
+        max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=40, max_prefill_chunk=16, max_prefill_rows=2,
+        block_size=PAGE_SIZE, num_gpu_blocks=80, enable_prefix_caching=True,
+        speculative_config={"method": "dspark", "model": draft_dir, "num_speculative_tokens": K, **spec}))
+
+
+def one_shot_drafts(model, spec, tokens, computed, num_tokens):  # noqa: F811
+    """The drafts after `tokens[computed]` from fresh pages holding the context of tokens[:computed],
+    tapped from one full forward of the target."""
+    module = nnx.merge(model.graphdef, model.params)
+    padded = np.zeros((1, MAX_LEN), np.int32)
+    padded[0, :computed] = tokens[:computed]
+    _, _, aux = module(jnp.asarray(padded), taps=spec.taps)
+    num_pages = MAX_LEN // PAGE_SIZE + 2
+    table = jnp.arange(1, num_pages, dtype=jnp.int32)[None, :]
+    pages = dd.init_draft_pages(spec.cfg, num_pages, PAGE_SIZE, jnp.float32)
+    draft = nnx.merge(spec.graphdef, spec.params)
+    valid = jnp.arange(MAX_LEN)[None, :] < computed
+    pages = dd.inject_context(draft, pages, aux.taps, valid, jnp.zeros((1,), jnp.int32), table)
+    drafts, _, _ = dd.propose(draft, pages, jnp.asarray([tokens[computed]], jnp.int32),
+                              jnp.asarray([computed], jnp.int32), table, spec.head,
+                              temperature=jnp.zeros((1,), jnp.float32), keys=jax.random.split(jax.random.key(0), 1),
+                              greedy_only=True, num_tokens=num_tokens)
+    return np.asarray(drafts)[0].tolist()
+
+
+def test_incremental_draft_context_equals_one_shot_and_output_equals_plain_greedy(model, draft_dir):  # noqa: F811
+    engine = make_engine(model, draft_dir)
+    spec = engine.speculator
+    proposals = []
+    propose = spec.propose
+
+    def recording(requests, num_rows):
+        drafts, logits = propose(requests, num_rows)
+        proposals.extend((list(r.tokens), r.computed, d.tolist()) for r, d in zip(requests, drafts))
+        return drafts, logits
+
+    spec.propose = recording
+    shared = workload(7, 1, lengths=(30, 31))[0][0]
+    prompts, max_tokens = workload(8, 5, lengths=(5, 40), max_tokens=(8, 24))
+    # the first request leaves `shared` (its KDA snapshot at the last page boundary) in the prefix cache
+    prompts = [shared] + [shared + p[:8] for p in prompts[1:3]] + prompts[3:]
+    got = run_all(engine, prompts[:1], max_tokens[:1]) + run_all(engine, prompts[1:], max_tokens[1:])
+    for prompt, n, tokens in zip(prompts, max_tokens, got):
+        assert tokens == reference_greedy(model, prompt, n)
+    assert engine.prefix_cache.hit_rate > 0
+    assert engine.stats()["spec_num_draft_tokens"] > 0
+    assert_pool_full(engine)
+
+    rng = np.random.default_rng(0)
+    checked = [proposals[i] for i in rng.choice(len(proposals), 6, replace=False)]
+    for tokens, computed, drafts in checked:
+        assert drafts == one_shot_drafts(model, spec, tokens, computed, K), f"at position {computed}"
+
+
+def test_sampled_requests_with_probabilistic_drafts_are_reproducible(model, draft_dir):  # noqa: F811
+    engine = make_engine(model, draft_dir, draft_sample_method="probabilistic")
+    prompts, _ = workload(9, 3, lengths=(5, 30))
+
+    def generate():
+        ids = [engine.add_request(p, SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        greedy = engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        return [done[i] for i in ids], done[greedy]
+
+    first, greedy = generate()
+    second, _ = generate()
+    assert first == second and all(len(t) == 12 for t in first)
+    assert len({tuple(t) for t in first}) == len(first)
+    assert greedy == reference_greedy(model, prompts[0], 12)
+    stats = engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    assert 0 <= stats["spec_acceptance_rate"] <= 1
+    assert_pool_full(engine)
