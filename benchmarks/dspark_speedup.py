@@ -1,0 +1,113 @@
+"""Speculative decoding on k3-tiny (fp32, CPU): the cost of one verify step (a window of 8), of the KDA
+commit that replays the accepted tokens, and of one proposal by the synthetic DSpark draft, each
+against one decode step at batch 1, 8 and 32; and end-to-end greedy tokens/s with an oracle drafter (it
+proposes the target's own continuation, so every draft is accepted) against plain decoding.
+
+    python -m benchmarks.dspark_speedup
+
+The oracle isolates what the engine's speculative path costs and gains (verify, accept, KDA commit,
+host bookkeeping); a trained DSpark draft adds its own forward and accepts fewer.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.report import report
+from convert import synth
+from k3jax.config import K3Config
+from k3jax.model import K3Model
+from serve.cache import CacheLayout
+from serve.dspark.speculator import DSparkSpeculator, ScriptedSpeculator
+from serve.engine import Engine, EngineOptions
+from serve.runner import Runner
+from serve.sampling import SamplingParams
+from serve.scheduler import Request
+
+K = 7
+BATCHES = (1, 8, 32)
+REPEATS = 20
+NEW_TOKENS = 96
+
+
+def median_ms(fn) -> float:
+    jax.block_until_ready(fn())  # compile
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def step_rows(model) -> list[dict]:
+    page_size, context = 16, 64
+    pages_per_row = (context + K + 1) // page_size + 1
+    layout = CacheLayout(page_size, max(BATCHES) * pages_per_row + 1, max(BATCHES) + 1)
+    with tempfile.TemporaryDirectory() as draft_dir:
+        synth.main(["--preset", "k3-tiny-dspark", "--out", draft_dir])
+        draft = DSparkSpeculator.load(draft_dir, model, num_speculative_tokens=K)
+    runner = Runner(model, layout, max_model_len=context + 2 * page_size, taps=draft.taps)
+    draft.bind(runner, engine_seed=0)
+    rows = []
+    for batch in BATCHES:
+        table = [list(range(1 + i * pages_per_row, 1 + (i + 1) * pages_per_row)) for i in range(batch)]
+        decode = [([1], context, 1 + i, table[i]) for i in range(batch)]
+        window = [([1] * (K + 1), context, 1 + i, table[i]) for i in range(batch)]
+        requests = [Request(str(i), [1] * (context + 1), SamplingParams(temperature=0.0), i) for i in range(batch)]
+        for request, pages in zip(requests, table):
+            request.computed, request.pages = context, pages
+        _, _, records = runner.verify(window, batch, K + 1)
+        slots, accepted = np.arange(1, batch + 1, dtype=np.int32), np.full(batch, K // 2 + 1, np.int32)
+        decode_ms = median_ms(lambda: runner.run(decode, batch, 1)[0])  # noqa: B023
+        verify_ms = median_ms(lambda: runner.verify(window, batch, K + 1)[0])  # noqa: B023
+        commit_ms = median_ms(lambda: (runner.commit(records, slots, accepted), runner.pools)[1])  # noqa: B023
+        propose_ms = median_ms(lambda: draft.propose(requests, batch)[0])  # noqa: B023
+        rows.append({"batch": batch, "decode_ms": decode_ms, "verify_vs_decode": verify_ms / decode_ms,
+                     "commit_vs_decode": commit_ms / decode_ms, "draft_propose_vs_decode": propose_ms / decode_ms})
+    return rows
+
+
+def generate(engine, prompt) -> tuple[list[int], float]:
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    start, tokens = time.perf_counter(), []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens = output.token_ids
+    return tokens, time.perf_counter() - start
+
+
+def end_to_end_rows(model) -> list[dict]:
+    options = EngineOptions(max_model_len=256, max_num_seqs=1, max_num_batched_tokens=64, block_size=16)
+    prompt = np.random.default_rng(0).integers(0, 512, 32).tolist()
+    plain = Engine(model, options)
+    plain.warmup()
+    reference, _ = generate(plain, prompt)
+    plain_s = float(np.median([generate(plain, prompt)[1] for _ in range(3)]))
+    oracle = ScriptedSpeculator(K, lambda request: reference[len(request.output):])
+    speculative = Engine(model, options, speculator=oracle)
+    speculative.warmup()
+    tokens, _ = generate(speculative, prompt)
+    assert tokens == reference, "speculation changed the greedy output"
+    spec_s = float(np.median([generate(speculative, prompt)[1] for _ in range(3)]))
+    stats = speculative.stats()
+    return [{"batch": 1, "new_tokens": NEW_TOKENS, "plain_tok_s": NEW_TOKENS / plain_s,
+             "oracle_tok_s": NEW_TOKENS / spec_s, "speedup": plain_s / spec_s,
+             "mean_accepted_length": stats["spec_mean_accepted_length"]}]
+
+
+def main() -> None:
+    model = K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0)
+    report("dspark_verify_cost", step_rows(model),
+           note=f"k3-tiny fp32, {REPEATS} runs, median; a window of {K + 1} after 64 cached tokens; "
+                f"commit replays {K // 2 + 1} tokens; the k3-tiny-dspark draft proposes {K}")
+    report("dspark_oracle_speedup", end_to_end_rows(model),
+           note=f"k3-tiny fp32, greedy, {NEW_TOKENS} tokens, K={K}, oracle drafter; median of 3")
+
+
+if __name__ == "__main__":
+    main()
