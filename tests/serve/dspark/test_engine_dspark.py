@@ -3,9 +3,10 @@
 The draft's pages are filled incrementally (prefill chunks, the accepted part of each verify window,
 prefix-cache hits that skip tokens), so the drafts it proposes must equal those of a draft whose
 context is injected in one go from a full forward of the target over the same tokens. Greedy
-outputs equal the target's own greedy decoding; sampled requests with probabilistic drafts are
-reproducible under a seed.
+outputs equal the target's own greedy decoding; sampled requests are reproducible under a seed.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,35 +32,44 @@ def draft_dir(tmp_path_factory):
     return str(directory)
 
 
-def make_engine(model, draft_dir, **spec):  # noqa: F811
+def make_engine(model, draft_dir):  # noqa: F811
     return Engine(model, EngineOptions(
         max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=40, max_prefill_chunk=16, max_prefill_rows=2,
         block_size=PAGE_SIZE, num_gpu_blocks=80, enable_prefix_caching=True,
-        speculative_config={"method": "dspark", "model": draft_dir, "num_speculative_tokens": K, **spec}))
+        speculative_config={"method": "dspark", "model": draft_dir, "num_speculative_tokens": K}))
 
 
 def one_shot_drafts(model, spec, tokens, computed, num_tokens):  # noqa: F811
     """The drafts after `tokens[computed]` from fresh pages holding the context of tokens[:computed],
     tapped from one full forward of the target."""
-    module = nnx.merge(model.graphdef, model.params)
     padded = np.zeros((1, MAX_LEN), np.int32)
     padded[0, :computed] = tokens[:computed]
-    _, _, aux = module(jnp.asarray(padded), taps=spec.taps)
-    num_pages = MAX_LEN // PAGE_SIZE + 2
-    table = jnp.arange(1, num_pages, dtype=jnp.int32)[None, :]
-    pages = dd.init_draft_pages(spec.cfg, num_pages, PAGE_SIZE, jnp.float32)
-    draft = nnx.merge(spec.graphdef, spec.params)
-    valid = jnp.arange(MAX_LEN)[None, :] < computed
-    pages = dd.inject_context(draft, pages, aux.taps, valid, jnp.zeros((1,), jnp.int32), table)
-    drafts, _, _ = dd.propose(draft, pages, jnp.asarray([tokens[computed]], jnp.int32),
-                              jnp.asarray([computed], jnp.int32), table, spec.head,
-                              temperature=jnp.zeros((1,), jnp.float32), keys=jax.random.split(jax.random.key(0), 1),
-                              greedy_only=True, num_tokens=num_tokens)
+    drafts = _one_shot(model.graphdef, spec.graphdef, spec.taps, spec.cfg, num_tokens, model.params, spec.params,
+                       spec.head, jnp.asarray(padded), jnp.int32(computed), jnp.int32(tokens[computed]))
     return np.asarray(drafts)[0].tolist()
 
 
-def test_incremental_draft_context_equals_one_shot_and_output_equals_plain_greedy(model, draft_dir):  # noqa: F811
-    engine = make_engine(model, draft_dir)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _one_shot(graphdef, draft_graphdef, taps, cfg, num_tokens, params, draft_params, head, padded, computed, bonus):
+    _, _, aux = nnx.merge(graphdef, params)(padded, taps=taps)
+    num_pages = MAX_LEN // PAGE_SIZE + 2
+    table = jnp.arange(1, num_pages, dtype=jnp.int32)[None, :]
+    pages = dd.init_draft_pages(cfg, num_pages, PAGE_SIZE, jnp.float32)
+    draft = nnx.merge(draft_graphdef, draft_params)
+    valid = jnp.arange(MAX_LEN)[None, :] < computed
+    pages = dd.inject_context(draft, pages, aux.taps, valid, jnp.zeros((1,), jnp.int32), table)
+    drafts, _, _ = dd.propose(draft, pages, bonus[None], computed[None], table, head,
+                              temperature=jnp.zeros((1,), jnp.float32), keys=jax.random.split(jax.random.key(0), 1),
+                              greedy_only=True, num_tokens=num_tokens)
+    return drafts
+
+
+@pytest.fixture(scope="module")
+def engine(model, draft_dir):  # noqa: F811
+    return make_engine(model, draft_dir)
+
+
+def test_incremental_draft_context_equals_one_shot_and_output_equals_plain_greedy(model, engine):  # noqa: F811
     spec = engine.speculator
     proposals = []
     propose = spec.propose
@@ -87,8 +97,8 @@ def test_incremental_draft_context_equals_one_shot_and_output_equals_plain_greed
         assert drafts == one_shot_drafts(model, spec, tokens, computed, K), f"at position {computed}"
 
 
-def test_sampled_requests_with_probabilistic_drafts_are_reproducible(model, draft_dir):  # noqa: F811
-    engine = make_engine(model, draft_dir, draft_sample_method="probabilistic")
+def test_sampled_requests_with_greedy_drafts_are_reproducible(model, engine):  # noqa: F811
+    """Sampled rows verify greedy drafts as point masses (the server test covers probabilistic drafts)."""
     prompts, _ = workload(9, 3, lengths=(5, 30))
 
     def generate():
@@ -100,12 +110,11 @@ def test_sampled_requests_with_probabilistic_drafts_are_reproducible(model, draf
             done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
         return [done[i] for i in ids], done[greedy]
 
+    before = engine.stats()["spec_num_draft_tokens"]
     first, greedy = generate()
     second, _ = generate()
     assert first == second and all(len(t) == 12 for t in first)
     assert len({tuple(t) for t in first}) == len(first)
     assert greedy == reference_greedy(model, prompts[0], 12)
-    stats = engine.stats()
-    assert stats["spec_num_draft_tokens"] > 0
-    assert 0 <= stats["spec_acceptance_rate"] <= 1
+    assert engine.stats()["spec_num_draft_tokens"] > before
     assert_pool_full(engine)

@@ -1,6 +1,7 @@
-"""`python -m k3jax.serve --speculative-config ...` with the synthetic k3-tiny DSpark draft: requests
-complete, streamed and whole outputs agree, /metrics carries the acceptance counters, and a bad
-config is refused at the command line naming the key."""
+"""`python -m k3jax.serve --speculative-config ...` with the synthetic k3-tiny DSpark draft drafting
+probabilistically: greedy and sampled requests complete (sampled ones reproducibly under a seed),
+streamed and whole outputs agree, /metrics carries the acceptance counters, and a bad config is
+refused at the command line naming the key."""
 
 import json
 import os
@@ -22,7 +23,8 @@ def server(tmp_path_factory):
     synth.main(["--preset", "k3-tiny-dspark", "--out", str(draft)])
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "K3JAX_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": K}
+    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": K,
+            "draft_sample_method": "probabilistic"}
     command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--api-key", API_KEY,
                "--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
                "--max-num-partial-prefills", "1", "--speculative-config", json.dumps(spec), "--log-level", "warning"]
@@ -42,8 +44,8 @@ def test_speculative_server_streams_what_it_returns_and_counts_drafts(server):
     whole = client.completions.create(**args)
     streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **args))
     assert whole.usage.completion_tokens == 12 and streamed == whole.choices[0].text
-    sampled = client.completions.create(**{**args, "temperature": 1.0, "seed": 3})
-    assert sampled.usage.completion_tokens == 12
+    sampled = [client.completions.create(**{**args, "temperature": 1.0, "seed": 3}) for _ in range(2)]
+    assert sampled[0].usage.completion_tokens == 12 and sampled[0].choices[0].text == sampled[1].choices[0].text
 
     metrics = server.metrics()
     drafted = metrics["k3jax:spec_decode_num_draft_tokens_total"]
