@@ -23,15 +23,15 @@
 - impl: "auto" (Pallas on GPU, the XLA path elsewhere or when K or V does not suit Pallas), "xla",
   "reference" or "pallas" (the Pallas-Triton kernels, pallas_triton.py; off a GPU they run in
   interpret mode, which is slow and only for tests). Pallas needs K and V powers of 2 of at least 16.
+  pallas_kernels.dispatch says how "auto" chooses and how the kernels run per shard under a mesh.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
 from pallas_kernels.kda import pallas_triton, reference, xla
 
 
@@ -69,18 +69,14 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
 
 
 def _resolve(impl, q, v):
-    if impl == "auto":
-        fits = all(_fits_pallas(jnp.shape(x)[-1]) for x in (q, v))
-        return "pallas" if fits and jax.default_backend() == "gpu" else "xla"
-    if impl not in _IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'xla', 'reference' or 'pallas'")
-    return impl
+    fits = all(_fits_pallas(jnp.shape(x)[-1]) for x in (q, v))
+    return dispatch.resolve(impl, fits, f"q {jnp.shape(q)}, v {jnp.shape(v)}: K and V must be powers of 2 >= 16")
 
 
 def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm, every):
     q, k, v, g, beta = map(jnp.asarray, (q, k, v, g, beta))
     cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
-    num_states = _check(q, k, v, g, beta, initial_state, cu_seqlens, every, impl)
+    num_states = _check(q, k, v, g, beta, initial_state, cu_seqlens, every)
     b, t, h, dk = q.shape
     dv = v.shape[3]
     if initial_state is None:
@@ -91,13 +87,15 @@ def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, 
     if repack:
         q, k, v, g, beta = (x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta))
         cu_seqlens = jnp.arange(b + 1, dtype=jnp.int32) * t
-    if impl == "pallas":  # decided per call: asking for the backend at import would initialise it
-        fn = functools.partial(fn, interpret=jax.default_backend() != "gpu")
     # The implementations cast to fp32, normalise and scale as they load the inputs, so no fp32
     # copy of the whole sequence is made here.
-    o, final_state, states = fn(q, k, v, g, beta, scale=dk ** -0.5 if scale is None else scale,
-                                initial_state=jnp.asarray(initial_state, jnp.float32), cu_seqlens=cu_seqlens,
-                                l2norm=l2norm, every=every)
+    args = (q, k, v, g, beta, dk ** -0.5 if scale is None else scale, jnp.asarray(initial_state, jnp.float32),
+            cu_seqlens)
+    if impl == "pallas":
+        o, final_state, states = _pallas_per_shard(fn, args, l2norm, every)
+    else:
+        o, final_state, states = fn(*args[:5], scale=args[5], initial_state=args[6], cu_seqlens=cu_seqlens,
+                                    l2norm=l2norm, every=every)
     if repack:
         o = o.reshape(b, t, h, dv)
         if every is not None:
@@ -106,7 +104,17 @@ def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, 
     return result if every is None else (*result, states)
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens, every, impl):
+def _pallas_per_shard(fn, args, l2norm, every):
+    """The Pallas kernels on packed sequences, each device on its heads (pallas_kernels.dispatch)."""
+    def kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+        return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, l2norm=l2norm,
+                  every=every, interpret=not dispatch.on_gpu())
+    tokens, state = (None, None, "heads", None), (None, "heads", None, None)
+    roles = (tokens, tokens, tokens, tokens, (None, None, "heads"), None, state, None)
+    return dispatch.per_shard(kernel, args, roles, (tokens, state, None if every is None else state))
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, every):
     """Validates the arguments; returns N, the number of sequences (rows of the states)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
@@ -127,11 +135,6 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, every, impl):
         num_states = cu_seqlens.shape[0] - 1
     if every is not None and (not isinstance(every, int) or every < 1):
         raise ValueError(f"output_state_every must be a positive int (a static token count), got {every!r}")
-    if impl == "pallas":
-        for name, size in (("K", dk), ("V", v.shape[3])):
-            if not _fits_pallas(size):
-                raise ValueError(f"impl='pallas' needs {name} a power of 2 >= 16 (Triton tiles), got q {q.shape}, "
-                                 f"v {v.shape}")
     expected = (num_states, h, dk, v.shape[3])
     if initial_state is not None and initial_state.shape != expected:
         raise ValueError(f"initial_state has shape {initial_state.shape}, expected [N, H, K, V] = {expected}")

@@ -35,16 +35,16 @@ what makes the rollback possible: the old conv window is still in the pool. The 
 states are held until acceptance is known: N * T * H * D * D * 4 bytes per layer.
 
 impl: "auto" (Pallas on a GPU when D suits Triton, XLA otherwise), "xla", "reference" or "pallas"
-(the Pallas-Triton kernel; off a GPU it runs in interpret mode, slow, for tests).
+(the Pallas-Triton kernel; off a GPU it runs in interpret mode, slow, for tests). Under a mesh the
+kernel runs per shard, each device on its heads (pallas_kernels.dispatch).
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
 from pallas_kernels.kda_decode import pallas_triton, reference, xla
 
 _STATIC = ("gate_lower_bound", "return_states")
@@ -60,19 +60,23 @@ def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, A_log, beta_logits, stat
     """Returns (o, conv_pool, state_pool), or (o, states) with return_states=True (module docstring)."""
     args = tuple(map(jnp.asarray, (qkv, conv_weight, conv_pool, f, dt_bias, A_log, beta_logits, state_pool, slots)))
     _check(*args)
-    d = args[7].shape[2]
-    if impl == "auto":
-        impl = "pallas" if _fits_pallas(d) and jax.default_backend() == "gpu" else "xla"
-    if impl not in _IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'xla', 'reference' or 'pallas'")
-    fn = _IMPLS[impl]
-    if impl == "pallas":
-        if not _fits_pallas(d):
-            raise ValueError(f"impl='pallas' needs the head size a power of 2 >= 16, got state_pool "
-                             f"{args[7].shape}")
-        fn = functools.partial(fn, interpret=jax.default_backend() != "gpu")  # decided per call
+    impl = dispatch.resolve(impl, _fits_pallas(args[7].shape[2]),
+                            f"state_pool {args[7].shape}: the head size must be a power of 2 >= 16")
     gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
-    return fn(*args, gate_lower_bound=gate_lower_bound, return_states=return_states)
+    if impl != "pallas":
+        return _IMPLS[impl](*args, gate_lower_bound=gate_lower_bound, return_states=return_states)
+
+    def kernel(*args):
+        return _IMPLS["pallas"](*args, gate_lower_bound=gate_lower_bound, return_states=return_states,
+                                interpret=not dispatch.on_gpu())
+    # Each device on its heads (the channel axis P is head-major). Rows stay whole: the pools are
+    # written, and a device's copy must hold every row's update.
+    qkv, conv, per_token, state = ((None, None, None, "heads"), (None, None, "heads"), (None, None, "heads"),
+                                   (None, "heads", None, None))
+    roles = (qkv, conv, qkv, per_token, ("heads",), ("heads",), per_token, state, None)
+    o = (None, None, "heads", None)
+    out = (o, (None, None, "heads", None, None)) if return_states else (o, qkv, state)
+    return dispatch.per_shard(kernel, args, roles, out)
 
 
 def commit_accepted(conv_pool, state_pool, slots, qkv, states, accepted):

@@ -5,17 +5,17 @@ impl: "auto" (the Pallas-Triton kernels on GPU when the shapes suit them, the XL
 "xla", "reference" or "pallas" (pallas_triton.py; off a GPU it runs in interpret mode, slow, for
 tests). Pallas needs: prefill, Dqk a multiple of 16 (split into power-of-2 pieces, 192 = 128 + 64)
 and Dv a power of 2 >= 16; decode, C a multiple of 16 whose largest power-of-2 piece is value_width
-(576 = 512 + 64) and page_size a power of 2 >= 16 (K3: 64).
+(576 = 512 + 64) and page_size a power of 2 >= 16 (K3: 64). pallas_kernels.dispatch says how "auto"
+chooses and how a Pallas call runs per shard under a mesh.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
 from pallas_kernels.mla import pallas_triton, reference, xla
 
-_IMPLS = ("auto", "xla", "reference", "pallas")
 _FP8 = (jnp.float8_e4m3fn,)
 
 
@@ -32,10 +32,15 @@ def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto")
         raise ValueError(f"q {q.shape} and k {k.shape} must be [B, T, H, D] and [B, S, H, D]")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v {v.shape} must match k {k.shape} in [B, S, H]")
-    args = {"q_offset": q_offset, "kv_length": kv_length, "scale": scale}
-    if _resolve(impl, _prefill_fits(q, v), f"q {q.shape}, v {v.shape}") == "pallas":
-        return pallas_triton.causal_attention(q, k, v, **args, interpret=_interpret())
-    return _module(impl).causal_attention(q, k, v, **args)
+    impl = dispatch.resolve(impl, _prefill_fits(q, v), f"q {q.shape}, v {v.shape}")
+    if impl == "pallas":
+        def kernel(q, k, v, q_offset, kv_length, scale):
+            return pallas_triton.causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale,
+                                                  interpret=not dispatch.on_gpu())
+        heads = ("rows", None, "heads", None)
+        return dispatch.per_shard(kernel, (q, k, v, q_offset, kv_length, scale),
+                                  (heads, heads, heads, ("rows",), ("rows",), None), heads)
+    return _module(impl).causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale)
 
 
 def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q: int | None = None,
@@ -56,9 +61,15 @@ def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale, max_s
     if cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k {cu_seqlens_k.shape} must both be [N + 1]")
     args = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "scale": scale}
-    if _resolve(impl, _prefill_fits(q, v), f"q {q.shape}, v {v.shape}") == "pallas":
-        return pallas_triton.varlen_causal_attention(q, k, v, **args, max_seqlen_q=max_seqlen_q,
-                                                     interpret=_interpret())
+    impl = dispatch.resolve(impl, _prefill_fits(q, v), f"q {q.shape}, v {v.shape}")
+    if impl == "pallas":
+        def kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+            return pallas_triton.varlen_causal_attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                                         scale=scale, max_seqlen_q=max_seqlen_q,
+                                                         interpret=not dispatch.on_gpu())
+        heads = (None, "heads", None)  # packed rows: split over heads only
+        return dispatch.per_shard(kernel, (q, k, v, cu_seqlens_q, cu_seqlens_k, scale),
+                                  (heads, heads, heads, None, None, None), heads)
     return _module(impl).varlen_causal_attention(q, k, v, **args)
 
 
@@ -83,12 +94,12 @@ def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, val
         raise ValueError(f"value_width {value_width} must be in (0, {pages.shape[2]}]")
     if pages.dtype in _FP8 and kv_scale is None:
         raise ValueError(f"pages of dtype {pages.dtype} need kv_scale (true value = stored * kv_scale)")
-    args = {"scale": scale, "value_width": value_width, "kv_scale": kv_scale}
-    if _resolve(impl, _decode_fits(pages.shape[1], pages.shape[2], value_width),
-                f"pages {pages.shape}, value_width {value_width}") == "pallas":
-        return pallas_triton.paged_decode_attention(q_latent, pages, page_table, kv_length, **args,
-                                                    interpret=_interpret())
-    return _module(impl).paged_decode_attention(q_latent, pages, page_table, kv_length, **args)
+    impl = dispatch.resolve(impl, _decode_fits(pages.shape[1], pages.shape[2], value_width),
+                            f"pages {pages.shape}, value_width {value_width}")
+    if impl == "pallas":
+        return _paged_decode_per_shard(q_latent, pages, page_table, kv_length, scale, value_width, kv_scale)
+    return _module(impl).paged_decode_attention(q_latent, pages, page_table, kv_length, scale=scale,
+                                                value_width=value_width, kv_scale=kv_scale)
 
 
 def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: int, impl: str = "auto"):
@@ -104,12 +115,12 @@ def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: i
     # The Pallas path views each row of the cache as consecutive pages: of up to 64 rows when S is a
     # multiple of 16 (a free reshape), else the cache is padded to a multiple of 64 (a copy).
     page = next((p for p in (64, 32, 16) if s % p == 0), 64)
-    if _resolve(impl, _decode_fits(page, c, value_width), f"cache {cache.shape}, value_width {value_width}") == "pallas":
+    impl = dispatch.resolve(impl, _decode_fits(page, c, value_width), f"cache {cache.shape}, value_width {value_width}")
+    if impl == "pallas":
         cache = jnp.pad(cache, ((0, 0), (0, -s % page), (0, 0)))
         pages_per_row = cache.shape[1] // page
         table = jnp.arange(b * pages_per_row, dtype=jnp.int32).reshape(b, pages_per_row)
-        return pallas_triton.paged_decode_attention(q_latent, cache.reshape(-1, page, c), table, kv_length,
-                                                    scale=scale, value_width=value_width, interpret=_interpret())
+        return _paged_decode_per_shard(q_latent, cache.reshape(-1, page, c), table, kv_length, scale, value_width)
     return _module(impl).latent_decode_attention(q_latent, cache, kv_length=kv_length, scale=scale,
                                                  value_width=value_width)
 
@@ -125,20 +136,17 @@ def _decode_fits(page_size: int, width: int, value_width: int) -> bool:
             and page_size >= pallas_triton.MIN_DOT and page_size & (page_size - 1) == 0)
 
 
-def _resolve(impl: str, pallas_fits: bool, shapes: str) -> str:
-    """The implementation to run; refuses impl='pallas' on shapes the kernels do not take."""
-    if impl not in _IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(map(repr, _IMPLS))}")
-    if impl == "auto":
-        return "pallas" if pallas_fits and jax.default_backend() == "gpu" else "xla"
-    if impl == "pallas" and not pallas_fits:
-        raise ValueError(f"impl='pallas' does not take these shapes ({shapes}); see pallas_kernels.mla.api")
-    return impl
+def _paged_decode_per_shard(q_latent, pages, page_table, kv_length, scale, value_width, kv_scale=None):
+    """The Pallas paged decode, each device on its heads and rows. The table holds global page ids,
+    so every device gets the whole pool (replicated, or gathered if the caller split it)."""
+    def kernel(q_latent, pages, page_table, kv_length, scale, kv_scale):
+        return pallas_triton.paged_decode_attention(q_latent, pages, page_table, kv_length, scale=scale,
+                                                    value_width=value_width, kv_scale=kv_scale,
+                                                    interpret=not dispatch.on_gpu())
+    heads = ("rows", "heads", None)
+    return dispatch.per_shard(kernel, (q_latent, pages, page_table, kv_length, scale, kv_scale),
+                              (heads, None, ("rows", None), ("rows",), None, None), heads)
 
 
 def _module(impl: str):
     return reference if impl == "reference" else xla
-
-
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"

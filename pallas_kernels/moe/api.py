@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import pallas_triton, reference, xla
-
-_IMPLS = ("auto", "pallas", "xla", "reference")
-
 
 def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto"):
     """Grouped gated FFN over rows already sorted by expert.
@@ -55,13 +52,11 @@ def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: Gate
 
 
 def _implementation(impl: str, op: str):
-    if impl not in _IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; expected one of {_IMPLS}")
-    on_gpu = jax.default_backend() == "gpu"
-    if impl == "auto":
-        impl = "pallas" if on_gpu else "xla"
+    """Under a mesh the routed experts already run inside sharding.expert_parallel's shard_map, so
+    the kernel needs no wrapping of its own."""
+    impl = dispatch.resolve(impl, True, "")
     if impl == "pallas":
-        return functools.partial(getattr(pallas_triton, op), interpret=not on_gpu)
+        return functools.partial(getattr(pallas_triton, op), interpret=not dispatch.on_gpu())
     return getattr({"xla": xla, "reference": reference}[impl], op)
 
 

@@ -31,13 +31,6 @@ def normal(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """16-row query and key blocks, so that small shapes span several blocks with ragged ends."""
-    monkeypatch.setattr(pallas_triton, "BLOCK_Q", 16)
-    monkeypatch.setattr(pallas_triton, "BLOCK_K", 16)
-
-
 def test_column_pieces_split_into_powers_of_two():
     assert pallas_triton.column_pieces(192) == ((0, 128), (128, 64))
     assert pallas_triton.column_pieces(576) == ((0, 512), (512, 64))
