@@ -11,6 +11,7 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.layers.common import Linear, param, rms_norm
 from pallas_kernels import kda as kda_ops
+from pallas_kernels import kda_decode as kda_decode_ops
 
 
 class KDACache(NamedTuple):
@@ -86,6 +87,8 @@ class KimiDeltaAttention(nnx.Module):
         """
         if batch.slots is None:
             return self._forward(x, cache, batch.valid, batch.lengths)
+        if x.shape[1] == 1 and not batch.record:
+            return self._decode_in_slots(x, cache, batch)
         fresh = batch.offsets == 0
         rows = jax.tree.map(lambda pool: jnp.where(fresh.reshape(-1, *(1,) * (pool.ndim - 1)), 0,
                                                    pool[batch.slots]).astype(pool.dtype), cache)
@@ -94,6 +97,34 @@ class KimiDeltaAttention(nnx.Module):
             return out, Recorded(cache, record)
         out, rows = self._forward(x, rows, batch.valid, batch.lengths)
         return out, jax.tree.map(lambda pool, r: pool.at[batch.slots].set(r), cache, rows)
+
+    def _decode_in_slots(self, x, pool: KDACache, batch):
+        """One token per row, the states updated in their slots by the decode op (a Pallas kernel on
+        GPU that reads and writes each slot in place, instead of gathering the states and
+        scattering them back). Rows without a token (padding) go to the null slot 0."""
+        cfg = self.cfg
+        b = x.shape[0]
+        slots = jnp.where(batch.lengths > 0, batch.slots, 0)
+        fresh = (batch.offsets == 0) & (slots > 0)
+        # A sequence whose first token this is starts from zeros, not from what its slot held last.
+        pool = jax.lax.cond(jnp.any(fresh), lambda p: jax.tree.map(
+            lambda a: a.at[jnp.where(fresh, slots, 0)].set(0), p), lambda p: p, pool)
+        qkv = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)  # [B, 1, 3, P]
+        weight = jnp.stack([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=1)  # [W, 3, P]
+        f = self.f_b_proj(self.f_a_proj(x), jnp.float32)
+        o, conv, state = kda_decode_ops.kda_decode(qkv, weight, pool.conv, f, self.dt_bias[...], self.A_log[...],
+                                                   self.b_proj(x, jnp.float32), pool.state, slots,
+                                                   gate_lower_bound=cfg.kda_gate_lower_bound)
+        return self._gated_output(x, o.reshape(b, 1, cfg.kda_num_heads, cfg.kda_head_dim)), KDACache(conv, state)
+
+    def _gated_output(self, x, o):
+        """The gated output norm and o_proj of the attention output o [B, T, heads, head_dim]."""
+        cfg = self.cfg
+        b, t = x.shape[:2]
+        gate = self.g_proj(x) if cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = gate.reshape(b, t, cfg.kda_num_heads, cfg.kda_head_dim).astype(jnp.float32)
+        y = rms_norm(o, self.o_norm[...], cfg.kda_output_norm_eps, jnp.float32) * jax.nn.sigmoid(gate)
+        return self.o_proj(y.astype(x.dtype).reshape(b, t, -1))
 
     def _forward(self, x, cache: KDACache | None, valid, lengths, record: bool = False):
         cfg = self.cfg
@@ -117,10 +148,7 @@ class KimiDeltaAttention(nnx.Module):
         o, state = kernel(q, k, v, g, beta, initial_state=initial, output_final_state=cache is not None,
                           use_qk_l2norm_in_kernel=True)
 
-        gate = self.g_proj(x) if cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        gate = gate.reshape(b, t, heads, d).astype(jnp.float32)
-        y = rms_norm(o, self.o_norm[...], cfg.kda_output_norm_eps, jnp.float32) * jax.nn.sigmoid(gate)
-        out = self.o_proj(y.astype(x.dtype).reshape(b, t, heads * d))
+        out = self._gated_output(x, o)
         if cache is None:
             return out, None
         if record:
