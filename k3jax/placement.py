@@ -14,10 +14,14 @@ from k3jax.layers.kda import KDACache
 from k3jax.layers.mla import MLACache, MLAPages
 from sharding.axes import named_sharding
 
-CACHE_AXES = {
+CACHE_AXES = {  # per-sequence caches (`DecodeState`): sequences split over `data` like the batch
     KDACache: KDACache(conv=("layers", "batch", "conv_tap", "qkv", "cache_channels"),
                        state=("layers", "batch", "cache_heads", "head_dim", "head_dim")),
     MLACache: MLACache(latent=("layers", "batch", "sequence", "cache_width")),
+}
+POOL_AXES = {  # the serving engine's pools: any row may use any slot or page, so every data group holds them all
+    KDACache: KDACache(conv=("layers", "slots", "conv_tap", "qkv", "cache_channels"),
+                       state=("layers", "slots", "cache_heads", "head_dim", "head_dim")),
     MLAPages: MLAPages(pages=("layers", "pages", "page_rows", "cache_width"), scale=("layers",)),
 }
 
@@ -54,14 +58,19 @@ def put(value, sharding):
 
 
 def cache_shardings(cache: DecodeState, mesh: Mesh) -> DecodeState:
-    return DecodeState(layer_cache_shardings(cache.layers, mesh), named_sharding(("batch",), cache.lengths.shape, mesh))
+    return DecodeState(_layer_shardings(cache.layers, CACHE_AXES, mesh),
+                       named_sharding(("batch",), cache.lengths.shape, mesh))
 
 
-def layer_cache_shardings(layers: tuple, mesh: Mesh) -> tuple:
-    """Shardings of per-segment layer caches (`DecodeState.layers` or the engine's pools)."""
+def pool_shardings(pools: tuple, mesh: Mesh) -> tuple:
+    """Shardings of the engine's cache pools (`decoder.init_pools`)."""
+    return _layer_shardings(pools, POOL_AXES, mesh)
+
+
+def _layer_shardings(layers: tuple, table: dict, mesh: Mesh) -> tuple:
+    """Shardings of per-segment layer caches, each array's logical axes taken from `table`."""
 
     def layer(c):
-        axes = CACHE_AXES[type(c)]
-        return type(c)(*(named_sharding(a, x.shape, mesh) for a, x in zip(axes, c)))
+        return type(c)(*(named_sharding(a, x.shape, mesh) for a, x in zip(table[type(c)], c)))
 
     return tuple(tuple(layer(c) for c in seg) for seg in layers)

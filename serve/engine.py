@@ -94,8 +94,8 @@ class Engine:
                              taps=speculator.taps if speculator else None)
         if speculator is not None:
             speculator.bind(self.runner, options.seed)
-        self.decode_rows = buckets(options.max_num_seqs)
-        self.prefill_rows = buckets(options.max_prefill_rows)
+        self.decode_rows = buckets(options.max_num_seqs, smallest=self.runner.num_data)
+        self.prefill_rows = buckets(options.max_prefill_rows, smallest=self.runner.num_data)
         self.prefill_tokens = buckets(self.scheduler.max_prefill_chunk, smallest=min(16, self.scheduler.max_prefill_chunk))
         self.eos_ids = {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
         if tokenizer is not None:

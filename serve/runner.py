@@ -4,6 +4,12 @@ A step feeds rows of new tokens ([rows, tokens], right-padded) through the model
 cache pools and returns each row's last-token logits. Row counts and chunk lengths are rounded up
 to powers of two (`buckets`), padding rows point at the null slot and page, and the page table
 always has the width of `max_model_len`: nothing recompiles in steady state.
+
+On a mesh, rows are split over `data` (so row counts are multiples of its size) and heads over
+`model`. Every data group holds the whole page and slot pools: any row may use any page or slot, and
+each step's pool writes reach every group. That is the simple design; its cost is memory, since a
+data group's devices hold the KDA states and MLA pages of every running request, not only of their
+own rows (DP attention, as vLLM and SGLang run it, gives each group its own pools and requests).
 """
 
 from __future__ import annotations
@@ -15,16 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.decoder import PagedState, TapSpec, init_pools
 from k3jax.layers.kda import KDACache, commit_record
 from k3jax.model import K3Model
-from k3jax.placement import layer_cache_shardings
+from k3jax.placement import pool_shardings, put
 from serve.cache import CacheLayout
 
 
 def buckets(largest: int, smallest: int = 1) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to the first one at or above `largest`."""
+    """`smallest` times powers of two, up to the first size at or above `largest`."""
     sizes, size = [], smallest
     while size < largest:
         sizes.append(size)
@@ -79,9 +86,6 @@ class Runner:
 
     def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None,
                  taps: TapSpec | None = None):
-        if model.mesh is not None and model.mesh.shape["data"] > 1:
-            raise ValueError("the engine runs on meshes with data=1 for now (tensor and expert parallel over "
-                             f"model); got {dict(model.mesh.shape)}")
         self.model = model
         self.layout = layout
         self.taps = taps  # the hidden states a speculator reads: every step then returns them
@@ -89,6 +93,7 @@ class Runner:
         make = functools.partial(init_pools, model.config, num_slots=layout.num_slots, num_pages=layout.num_pages,
                                  page_size=layout.page_size, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
         self.pools = make() if model.mesh is None else jax.jit(make, out_shardings=self._pool_shardings(make))()
+        self.num_data = 1 if model.mesh is None else model.mesh.shape["data"]  # row counts must be its multiples
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int):
         """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens.
@@ -130,8 +135,12 @@ class Runner:
 
     def _call(self, fn, *arrays):
         model = self.model
+        if model.mesh is None:
+            arrays = map(jnp.asarray, arrays)
+        else:  # rows over data
+            arrays = (put(a, NamedSharding(model.mesh, PartitionSpec("data"))) for a in arrays)
         with self._mesh():
-            return fn(model.graphdef, model.params, self.pools, *map(jnp.asarray, arrays), self.taps)
+            return fn(model.graphdef, model.params, self.pools, *arrays, self.taps)
 
     def _pool_shardings(self, make):
-        return layer_cache_shardings(jax.eval_shape(make), self.model.mesh)
+        return pool_shardings(jax.eval_shape(make), self.model.mesh)

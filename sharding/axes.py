@@ -40,7 +40,8 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "sequence": (),
     "cache_width": (),  # MLA latent + shared key, shared by all heads
-    "pages": (),  # the engine's MLA page pool (data=1 for now: every device holds the pool)
+    "slots": (),  # the engine's KDA state pool: every data group holds every slot (rows split over data)
+    "pages": (),  # the engine's MLA page pool, held whole like the slots
     "page_rows": (),
 }
 
