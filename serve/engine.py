@@ -23,6 +23,8 @@ from serve.runner import Runner, bucket, buckets
 from serve.sampling import SamplingParams
 from serve.scheduler import Request, Scheduler, Status
 
+# fp8: E4M3 pages with a per-layer scale of 1, vLLM's and SGLang's default when a checkpoint has no
+# calibrated kv scales (benchmarks/engine_fp8_agreement.py shows where the rows fall in E4M3's range)
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.float8_e4m3fn,
                    "fp8_e4m3": jnp.float8_e4m3fn}
 

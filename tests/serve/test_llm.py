@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import k3jax
+from benchmarks.engine_fp8_agreement import LAYOUT, MAX_MODEL_LEN, PROMPT, greedy_picks
 from convert import synth
-from serve.cache import CacheLayout
 from serve.engine import Engine
 from serve.llm import default_model_dir, load_tokenizer
 from serve.runner import Runner
@@ -55,30 +55,18 @@ def test_text_prompt_without_a_tokenizer_is_refused(tmp_path):
         engine.add_request("hi")
 
 
-def test_fp8_pages_agree_with_bf16_on_most_greedy_tokens():
-    """A 128-token greedy run of the bf16 model is fed back token by token (teacher forcing) through
-    bf16 pages and fp8 E4M3 pages, and the next-token argmaxes are compared. (Free-running greedy runs
-    part for good at their first disagreement, so they would not measure the cache.)
+def test_fp8_pages_agree_with_bf16_pages_on_most_teacher_forced_tokens():
+    """A 256-token greedy run with bf16 pages is fed token by token to fp8 E4M3 pages (scale 1) and
+    the argmaxes compared at every position (benchmarks/engine_fp8_agreement.py; free-running runs
+    part for good at their first flip, so they would not measure the cache).
 
-    The issue asks for 95% on a trained model. Random k3-tiny weights give nearly flat logits (median
-    top-2 margin 0.2), so E4M3's ~2% rounding flips more of them: measured 0.88 (seed 0) and 0.80
-    (seed 1), while fp32 pages agree with bf16 pages at every position. The bound
-    below is that floor, not the issue's target."""
+    The issue asks 95%. Random k3-tiny weights give flat logits (std 1, median top-2 margin about 0.2) and
+    amplify rounding: even the fp32 model agrees with the bf16 one on only 36-46% of positions, where
+    fp8 pages measured 0.75, 0.80 and 0.84 (seeds 0, 1, 2). The bound is a floor under those, not the
+    issue's target; a wrong scale or an overflow (NaN) takes it to 0."""
     model = k3jax.K3Model.random(k3jax.K3Config.from_preset("k3-tiny"), dtype="bfloat16", seed=0)
-    layout = CacheLayout(page_size=16, num_pages=20, num_slots=2)
-    prompt = [7, 8, 9, 10, 11, 12, 13, 14]
-    runners = {kv: Runner(model, layout, max_model_len=300, kv_cache_dtype=dtype)
-               for kv, dtype in (("bf16", None), ("fp8", jnp.float8_e4m3fn))}
-    pages = list(range(1, 20))
-    tokens, picks = list(prompt), {kv: [] for kv in runners}
-    for kv, runner in runners.items():
-        logits, _ = runner.run([(prompt, 0, 1, pages)], 1, 8)
-        picks[kv].append(int(np.argmax(logits[0])))
-    tokens.append(picks["bf16"][-1])
-    while len(tokens) < len(prompt) + 128:
-        for kv, runner in runners.items():
-            logits, _ = runner.run([([tokens[-1]], len(tokens) - 1, 1, pages)], 1, 1)
-            picks[kv].append(int(np.argmax(logits[0])))
-        tokens.append(picks["bf16"][-1])
-    agree = np.mean(np.asarray(picks["bf16"]) == np.asarray(picks["fp8"]))
-    assert len(picks["fp8"]) == 128 and agree >= 0.75, agree
+    bf16 = Runner(model, LAYOUT, max_model_len=MAX_MODEL_LEN)
+    fp8 = Runner(model, LAYOUT, max_model_len=MAX_MODEL_LEN, kv_cache_dtype=jnp.float8_e4m3fn)
+    reference, _ = greedy_picks(bf16, PROMPT, 256)
+    picks, _ = greedy_picks(fp8, PROMPT, 256, feed=list(reference))
+    assert np.mean(picks == reference) >= 0.7
