@@ -21,6 +21,7 @@ from serve.api_server import ServerConfig, build_app
 from serve.async_engine import AsyncEngine
 from serve.dspark import speculation
 from serve.engine import KV_CACHE_DTYPES, Engine, EngineOptions
+from serve import multihost
 from serve.llm import DEFAULT_MODEL, default_model_dir, load_tokenizer
 from sharding import distributed
 
@@ -83,11 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)  # jax may have configured the root logger already
-    if distributed.initialize(args.coordinator, args.num_processes, args.process_id):
-        # Every process would have to run the same engine steps on the same requests, which needs
-        # process 0 to broadcast its schedule; until then one process serves.
-        print("k3jax.serve: multi-host serving is not supported yet; run one process per server",
-              file=sys.stderr)
+    if distributed.initialize(args.coordinator, args.num_processes, args.process_id) and args.speculative_config:
+        print("k3jax.serve: --speculative-config does not run across several processes yet", file=sys.stderr)
         return 2
 
     enable_compilation_cache()
@@ -104,6 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
                             mesh=None if args.mesh == "1x1" else args.mesh)
     engine = Engine(model, options, tokenizer=load_tokenizer(path))
+    if multihost.active() and not multihost.is_leader():  # process 0 serves; this one runs its steps
+        log.info("process %d follows the steps of process 0", jax.process_index())
+        engine.runner.follow()
+        return 0
+    try:
+        return _serve(engine, args, path, options, log)
+    finally:
+        engine.runner.stop_followers()
+
+
+def _serve(engine: Engine, args, path: str, options: EngineOptions, log) -> int:
     log.info("compiling the engine's step shapes (%s)", dataclasses.asdict(options))
     engine.warmup()
 

@@ -27,6 +27,7 @@ from k3jax.decoder import PagedState, TapSpec, init_pools
 from k3jax.layers.kda import KDACache, commit_record
 from k3jax.model import K3Model
 from k3jax.placement import pool_shardings, put
+from serve import multihost
 from serve.cache import CacheLayout
 
 
@@ -86,6 +87,8 @@ class Runner:
 
     def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None,
                  taps: TapSpec | None = None):
+        if taps is not None and multihost.active():
+            raise ValueError("speculative decoding does not run across several processes yet; serve it from one")
         self.model = model
         self.layout = layout
         self.taps = taps  # the hidden states a speculator reads: every step then returns them
@@ -99,8 +102,13 @@ class Runner:
         """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens.
         Returns (float32 logits [num_rows, vocab] of each row's last new token (padding rows: garbage),
         the tapped hidden states [num_rows, num_tokens, F] or None)."""
-        logits, self.pools, taps = self._call(_step, *self._arrays(rows, num_rows, num_tokens))
-        return logits, taps
+        arrays = self._arrays(rows, num_rows, num_tokens)
+        multihost.announce(multihost.RUN, num_rows, num_tokens, arrays)
+        return self._run(arrays)
+
+    def _run(self, arrays):
+        logits, self.pools, taps = self._call(_step, *arrays)
+        return multihost.local_copy(logits, self.model.mesh), taps
 
     def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
         """Like `run` over speculative windows (the last token, then the drafts), without touching the
@@ -127,8 +135,36 @@ class Runner:
 
     def copy_slot(self, source: int, target: int) -> None:
         """Copies a KDA slot: a prefix-cache snapshot into a request's slot, or the other way round."""
-        with self._mesh():
-            self.pools = _copy_slot(self.pools, jnp.int32(source), jnp.int32(target))
+        multihost.announce(multihost.COPY_SLOT, arrays=(np.array([source, target]),))
+        self._copy(source, target)
+
+    def _copy(self, source, target) -> None:
+        with self._mesh():  # host scalars: valid arguments on a mesh spanning several processes
+            self.pools = _copy_slot(self.pools, np.int32(source), np.int32(target))
+
+    def follow(self) -> None:
+        """A follower process of a multi-host server (serve.multihost): runs every step the leader
+        announces, on the same arrays, until the leader stops it."""
+        while True:
+            op, arrays = multihost.receive(self._shapes)
+            if op == multihost.STOP:
+                return
+            if op == multihost.RUN:
+                self._run(arrays)
+            elif op == multihost.COPY_SLOT:
+                self._copy(*arrays[0])
+            else:
+                raise RuntimeError(f"the leader announced an unknown step {op}")
+
+    def stop_followers(self) -> None:
+        """Leader: ends the followers' loops (nothing with one process)."""
+        multihost.announce(multihost.STOP)
+
+    def _shapes(self, op: int, rows: int, tokens: int) -> list[tuple[int, ...]]:
+        """The arrays the leader sends with a step (`run`'s `_arrays`, or copy_slot's two slots)."""
+        if op == multihost.RUN:
+            return [(rows, tokens), (rows,), (rows,), (rows,), (rows, self.page_table_width)]
+        return [(2,)] if op == multihost.COPY_SLOT else []
 
     def _mesh(self):
         return jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext()

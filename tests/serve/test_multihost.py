@@ -1,0 +1,84 @@
+"""Multi-host serving: two processes x 2 CPU devices (gloo) run the engine on a model=4 mesh, process 0
+scheduling and sampling while process 1 follows its steps; the outputs equal one process driving the
+same mesh over 4 local devices (the same programs: the same tokens, and logprobs to fp32 rounding)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from convert import synth
+from tests.k3jax.tiny_configs import k3_tiny_dict
+
+WORKER = """
+import json, os, sys
+mode = sys.argv[1]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + ("4" if mode == "single" else "2")
+import jax
+if mode != "single":
+    from sharding.distributed import initialize
+    assert initialize(sys.argv[3], 2, int(mode), timeout_s=60)
+import k3jax
+from serve.engine import Engine, EngineOptions
+from serve.sampling import SamplingParams
+
+# Loaded across processes on a mesh with data=1: the loader's placement must reshard on the devices.
+model = k3jax.from_pretrained(sys.argv[4], dtype="float32", mesh="4x1")
+engine = Engine(model, EngineOptions(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
+                                     enable_prefix_caching=True))
+if jax.process_index() != 0:
+    engine.runner.follow()
+else:
+    shared = list(range(40, 60))  # two pages shared: the second request resumes from a KDA snapshot
+    requests = [(shared + [1, 2, 3], SamplingParams(max_tokens=6, temperature=0)),
+                (list(range(5, 12)), SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2))]
+    outputs = {}
+    for prompt, params in requests + [(shared + [9, 9], SamplingParams(max_tokens=5, temperature=0))]:
+        engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = {"tokens": list(out.token_ids), "logprobs": out.logprobs}
+    engine.runner.stop_followers()
+    outputs["hit_rate"] = engine.stats()["prefix_cache_hit_rate"]
+    with open(sys.argv[2], "w") as f:
+        json.dump(outputs, f, default=float)
+if mode != "single":
+    jax.distributed.shutdown()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_serve_like_one(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    checkpoint = str(tmp_path / "hf")
+    synth.write_checkpoint(checkpoint, k3_tiny_dict(), seed=4)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    runs = {"single": [str(tmp_path / "single.json"), "", checkpoint],
+            "0": [str(tmp_path / "multi.json"), coordinator, checkpoint],
+            "1": [str(tmp_path / "unused.json"), coordinator, checkpoint]}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, mode, *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for mode, args in runs.items()]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+    single = json.loads((tmp_path / "single.json").read_text())
+    multi = json.loads((tmp_path / "multi.json").read_text())
+    assert single["hit_rate"] > 0  # the third request reused the first one's pages and snapshot
+    assert multi["hit_rate"] == single["hit_rate"]
+    requests = [k for k in single if k.startswith("req-")]
+    assert len(requests) == 3 and sorted(multi) == sorted(single)
+    for rid in requests:
+        assert multi[rid]["tokens"] == single[rid]["tokens"], rid
+        # gloo adds across processes in another order than one process does: fp32 rounding, ~2e-6 relative
+        for got, want in zip(multi[rid]["logprobs"] or [], single[rid]["logprobs"] or []):
+            assert got.keys() == want.keys()
+            np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5, atol=1e-5)
