@@ -43,8 +43,11 @@ def place_params(params: nnx.State, mesh: Mesh) -> nnx.State:
     def place(v):
         sharding = named_sharding(v.logical_axes, v.shape, mesh)
         value = v.get_value()
-        if isinstance(value, jax.Array) and value.sharding == sharding:
-            return v
+        if isinstance(value, jax.Array):
+            if value.sharding.is_equivalent_to(sharding, value.ndim):
+                return v
+            if not value.is_fully_addressable:  # spans processes: reshard on the devices, not via the host
+                return v.replace(jax.device_put(value, sharding))
         return v.replace(put(value, sharding))
 
     return jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
