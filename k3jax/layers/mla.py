@@ -42,8 +42,13 @@ class MLAPages(NamedTuple):
         return MLAPages(jnp.zeros((num_pages, page_size, cfg.mla_cache_width), dtype), jnp.float32(scale))
 
     def write(self, page_ids, rows_in_page, values) -> "MLAPages":
-        """Stores values [B, T, C] at (page_ids, rows_in_page) [B, T]."""
-        stored = (values.astype(jnp.float32) / self.scale).astype(self.pages.dtype)
+        """Stores values [B, T, C] at (page_ids, rows_in_page) [B, T]. Into fp8 pages values beyond
+        the format's range are clamped to it (a plain cast would make them NaN), as vLLM does."""
+        stored = values.astype(jnp.float32) / self.scale
+        if jnp.issubdtype(self.pages.dtype, jnp.floating) and jnp.finfo(self.pages.dtype).bits == 8:
+            limit = float(jnp.finfo(self.pages.dtype).max)
+            stored = jnp.clip(stored, -limit, limit)
+        stored = stored.astype(self.pages.dtype)
         return self._replace(pages=self.pages.at[page_ids, rows_in_page].set(stored))
 
     def gather(self, page_table, dtype):

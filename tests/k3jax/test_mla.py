@@ -98,6 +98,17 @@ def test_pages_equal_a_contiguous_cache(dtype, tol):
     np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+def test_fp8_pages_clamp_values_beyond_the_format():
+    """Rows past E4M3's range (448 x scale) are stored as the range's end, not as NaN; the rest round."""
+    cfg, _ = _layer()
+    pages = MLAPages.zeros(cfg, 2, 4, jnp.float8_e4m3fn, scale=0.5)
+    values = jnp.zeros((1, 2, cfg.mla_cache_width)).at[0, 0, :3].set(jnp.asarray([1e4, -300.0, 1.5]))
+    stored = pages.write(jnp.ones((1, 2), jnp.int32), jnp.asarray([[0, 1]]), values)
+    got = np.asarray(stored.gather(jnp.ones((1, 1), jnp.int32), jnp.float32))[0]
+    np.testing.assert_array_equal(got[0, :3], [448 * 0.5, -224.0, 1.5])  # 1e4 and -300 clamp; 1.5 is exact
+    assert np.isfinite(got).all()
+
+
 def test_rope_rotates_adjacent_pairs():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 8)), jnp.float32)
     pos = jnp.asarray([0, 1, 5])
