@@ -1,4 +1,7 @@
-"""Whole-model consistency in fp32: prefill + decode == full forward, right padding and causality."""
+"""Whole-model consistency in fp32: prefill + decode == full forward, right padding and causality.
+
+The tests share shapes (full forwards of [2, 20] and [3, 20], prefills of 7 tokens with room for 32)
+so that each compiled program serves several of them."""
 
 import numpy as np
 import pytest
@@ -22,8 +25,8 @@ def _ids(model, shape, seed=0):
 
 
 def test_logits_are_finite_and_not_degenerate(model):
-    logits = model.logits(_ids(model, (2, 12)))
-    assert logits.shape == (2, 12, model.config.vocab_size) and logits.dtype == np.float32
+    logits = model.logits(_ids(model, (2, 20)))
+    assert logits.shape == (2, 20, model.config.vocab_size) and logits.dtype == np.float32
     assert np.isfinite(logits).all()
     assert logits.std(axis=-1).min() > 1e-2  # not constant over the vocabulary
     assert len({int(t) for t in logits.argmax(-1).ravel()}) > 1
@@ -42,10 +45,10 @@ def test_prefill_then_decode_reproduces_full_forward(model):
 
 
 def test_chunked_prefill_continues_the_cache(model):
-    ids = _ids(model, (2, 19), seed=2)
+    ids = _ids(model, (2, 20), seed=2)
     full = model.logits(ids)
-    first, cache = model.prefill(ids[:, :11], max_len=24)
-    second, cache = model.prefill(ids[:, 11:], cache=cache)
+    first, cache = model.prefill(ids[:, :7], max_len=32)
+    second, cache = model.prefill(ids[:, 7:], cache=cache)
     np.testing.assert_allclose(np.concatenate([first, second], 1), full, rtol=RTOL, atol=ATOL)
 
 
@@ -58,17 +61,21 @@ def test_right_padding_changes_nothing(model):
     batched, cache = model.prefill(padded, lengths=np.asarray(lengths), max_len=20)
     nxt = _ids(model, (3,), seed=4)
     step, _ = model.decode(nxt, cache)
+    # Each row alone: its tokens and the next one, then anything (causality: the next test).
+    alone_ids = _ids(model, (3, 20), seed=7)
     for b, n in enumerate(lengths):
-        alone = model.logits(np.concatenate([ids[b:b + 1, :n], nxt[b:b + 1, None]], 1))
-        np.testing.assert_allclose(np.asarray(batched)[b, :n], alone[0, :n], rtol=RTOL, atol=ATOL)
-        np.testing.assert_allclose(np.asarray(step)[b], alone[0, n], rtol=RTOL, atol=ATOL)
+        alone_ids[b, :n + 1] = np.append(ids[b, :n], nxt[b])
+    alone = model.logits(alone_ids)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(batched)[b, :n], alone[b, :n], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(np.asarray(step)[b], alone[b, n], rtol=RTOL, atol=ATOL)
 
 
 def test_future_tokens_never_change_past_logits(model):
-    ids = _ids(model, (1, 16), seed=5)
+    ids = _ids(model, (1, 20), seed=5)
     other = ids.copy()
-    other[:, 9:] = _ids(model, (1, 7), seed=6)
-    a, b = model.logits(ids), model.logits(other)
+    other[:, 9:] = _ids(model, (1, 11), seed=6)
+    a, b = np.split(model.logits(np.concatenate([ids, other])), 2)
     np.testing.assert_allclose(a[:, :9], b[:, :9], rtol=RTOL, atol=ATOL)
     assert np.abs(a[:, 9:] - b[:, 9:]).max() > 1e-3
 
