@@ -4,7 +4,6 @@ same mesh over 4 local devices (the same programs: the same tokens, and logprobs
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import numpy as np
 
 from convert import synth
 from tests.k3jax.tiny_configs import k3_tiny_dict
+from tests.processes import local_coordinator
 
 WORKER = """
 import json, os, sys
@@ -51,17 +51,11 @@ if mode != "single":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_serve_like_one(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     checkpoint = str(tmp_path / "hf")
     synth.write_checkpoint(checkpoint, k3_tiny_dict(), seed=4)
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = local_coordinator()
     runs = {"single": [str(tmp_path / "single.json"), "", checkpoint],
             "0": [str(tmp_path / "multi.json"), coordinator, checkpoint],
             "1": [str(tmp_path / "unused.json"), coordinator, checkpoint]}

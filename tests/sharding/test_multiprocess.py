@@ -3,7 +3,6 @@ single-process result, for random weights and for a synthetic checkpoint each pr
 (reading only the experts its devices hold)."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ from convert import layout, synth
 from k3jax.config import K3Config
 from k3jax.model import K3Model
 from tests.k3jax.tiny_configs import k3_tiny_dict
+from tests.processes import local_coordinator
 
 WORKER = """
 import os, sys
@@ -46,17 +46,11 @@ jax.distributed.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one(tmp_path):
     out = tmp_path / "logits.npy"
     checkpoint = tmp_path / "hf"
     cfg = synth.write_checkpoint(checkpoint, k3_tiny_dict(), seed=4)
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = local_coordinator()
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, coordinator, str(i), str(out), str(checkpoint)], env=env,
