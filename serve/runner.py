@@ -63,12 +63,12 @@ def _verify(graphdef, params, pools, tokens, lengths, offsets, slots, page_table
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _commit(pools, records, slots, accepted):
-    """Folds the first accepted[n] window tokens of each row into its KDA slot (every KDA layer)."""
+def _commit(pools, records, slots, accepted, targets):
+    """Folds the first accepted[n] window tokens of each row's slot into slot targets[n] (every KDA layer)."""
     def commit(pool, record):
         if record is None:
             return pool
-        return jax.vmap(commit_record, in_axes=(0, 0, None, None))(pool, record, slots, accepted)
+        return jax.vmap(commit_record, in_axes=(0, 0, None, None, None))(pool, record, slots, accepted, targets)
     return tuple(tuple(commit(p, r) for p, r in zip(seg, seg_records)) for seg, seg_records in zip(pools, records))
 
 
@@ -116,10 +116,12 @@ class Runner:
         logits, self.pools, taps, records = self._call(_verify, *self._arrays(rows, num_rows, window))
         return logits, taps, records
 
-    def commit(self, records, slots: np.ndarray, accepted) -> None:
-        """After `verify`: each row's KDA slot gets the state after its first accepted[n] window tokens."""
+    def commit(self, records, slots: np.ndarray, accepted, targets: np.ndarray | None = None) -> None:
+        """After `verify`: each row's KDA slot (or targets[n]) gets the state after its first accepted[n]
+        window tokens."""
         with self._mesh():
-            self.pools = _commit(self.pools, records, jnp.asarray(slots), jnp.asarray(accepted))
+            self.pools = _commit(self.pools, records, jnp.asarray(slots), jnp.asarray(accepted),
+                                 jnp.asarray(slots if targets is None else targets))
 
     def _arrays(self, rows, num_rows: int, num_tokens: int):
         tokens = np.zeros((num_rows, num_tokens), np.int32)

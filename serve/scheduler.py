@@ -160,6 +160,16 @@ class Scheduler:
                 return request.slot, slot
         return None
 
+    def keep_snapshot(self, request: Request, boundary: int, slot: int) -> None:
+        """A KDA state taken at a page boundary inside a speculative window (in `slot`): kept as that
+        page's snapshot if the page is cached and has none, else the slot is freed."""
+        cache, index = self.prefix_cache, boundary // self.page_size - 1
+        if request.status is not Status.FINISHED and index < len(request.hashes) and \
+                cache.wants_snapshot(request.hashes[index]):
+            cache.set_snapshot(request.hashes[index], slot)
+        else:
+            self.allocator.free([], slot)
+
     def _chunk(self, request: Request, budget: int) -> int:
         """The largest chunk of the request's pending tokens that fits the budget and the free pages
         (0 when not even one token fits); its pages are reserved."""

@@ -171,9 +171,11 @@ class KimiDeltaAttention(nnx.Module):
         return -a * softplus
 
 
-def commit_record(pool: KDACache, record: KDARecord, slots, accepted) -> KDACache:
+def commit_record(pool: KDACache, record: KDARecord, slots, accepted, targets=None) -> KDACache:
     """Writes into each row's slot the KDA state and conv window after its first `accepted` window
-    tokens (int32 [B], 1..T; padding rows point at the null slot 0 and may hold anything).
+    tokens (int32 [B], 1..T; padding rows point at the null slot 0 and may hold anything). With
+    `targets` ([B] slots) the results go there instead and `slots` are only read: a prefix-cache
+    snapshot taken inside a window.
 
     The state replays the recorded recurrence from the slot's state with the tokens past `accepted`
     masked exactly as right padding is (no decay, no write): the recurrence of a plain decode of the
@@ -192,7 +194,8 @@ def commit_record(pool: KDACache, record: KDARecord, slots, accepted) -> KDACach
     window = jnp.concatenate([pool.conv[slots].astype(record.qkv.dtype), record.qkv], axis=1)
     rows = accepted[:, None] + jnp.arange(width)[None, :]
     conv = jnp.take_along_axis(window, rows[:, :, None, None], axis=1)
-    return KDACache(pool.conv.at[slots].set(conv.astype(pool.conv.dtype)), pool.state.at[slots].set(state))
+    targets = slots if targets is None else targets
+    return KDACache(pool.conv.at[targets].set(conv.astype(pool.conv.dtype)), pool.state.at[targets].set(state))
 
 
 def _causal_conv_silu(window, weight, t: int):

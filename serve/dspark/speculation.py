@@ -113,6 +113,7 @@ def verify_step(engine, requests) -> list:
         num_drafts[i], slots[i] = len(request.drafts), request.slot
     result = _accept(engine, requests, num_rows, logits, drafts, num_drafts)
     window_tokens = result.num_accepted + 1  # the last token and the accepted drafts are now in the state
+    inside = _snapshots_inside(engine, requests, records, slots, np.asarray(window_tokens))
     engine.runner.commit(records, slots, window_tokens)
     spec.observe([(r, r.computed, 1 + len(r.drafts)) for r in requests], taps, window_tokens)
     num_accepted, tokens = np.asarray(result.num_accepted), np.asarray(result.tokens)
@@ -126,7 +127,32 @@ def verify_step(engine, requests) -> list:
             request.computed += emitted
             if engine.prefix_cache is not None and (copy := engine.scheduler.register(request)) is not None:
                 engine.runner.copy_slot(*copy)
+    for request, boundary, slot in inside:
+        engine.scheduler.keep_snapshot(request, boundary, slot)
     return list(requests)
+
+
+def _snapshots_inside(engine, requests, records, slots, window_tokens) -> list:
+    """Plain decoding reaches every page boundary, and the prefix cache snapshots the KDA state there
+    (Scheduler.register); a window passes boundaries without stopping. For each boundary a window
+    passes (not one it ends on: register sees that), the state there is committed from the record
+    into a spare slot before the row's own commit: one commit per boundary index, rows without one
+    writing the null slot. Returns (request, boundary, slot) each, for Scheduler.keep_snapshot once
+    the boundary's page is in the cache."""
+    if engine.prefix_cache is None:
+        return []
+    page = engine.layout.page_size
+    boundaries = [range((r.computed // page + 1) * page, r.computed + int(window_tokens[i]), page)
+                  for i, r in enumerate(requests)]
+    inside = []
+    for j in range(max(map(len, boundaries), default=0)):
+        targets, accepted = np.zeros_like(slots), np.ones_like(slots)
+        for i, request in enumerate(requests):
+            if j < len(boundaries[i]) and (slot := engine.allocator.allocate_slot()) is not None:
+                inside.append((request, boundaries[i][j], slot))
+                targets[i], accepted[i] = slot, boundaries[i][j] - request.computed
+        engine.runner.commit(records, slots, accepted, targets)
+    return inside
 
 
 def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts):

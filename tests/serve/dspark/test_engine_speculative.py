@@ -112,3 +112,28 @@ def test_stop_token_inside_a_window_ends_the_output_there(engine, oracle):
     assert outputs[request_id].token_ids == reference[:first + 1]
     assert outputs[request_id].finish_reason == "stop"
     assert_pool_full(engine)
+
+
+def test_windows_leave_a_snapshot_at_every_page_boundary_they_pass(engine, oracle):
+    """As plain decoding does (one snapshot per page boundary reached, Scheduler.register): 8-token
+    windows over 4-token pages pass two boundaries each, and a later prompt resumes from the deepest."""
+    if engine.prefix_cache is None:
+        pytest.skip("snapshots belong to the prefix cache")
+    oracle.random = False
+    engine.reset_prefix_cache()
+    prompt = list(range(3, 12))  # 9 tokens: the prompt's snapshot at 8, then windows from 9 to 17 to 25
+    oracle.reference(prompt, 20)
+    output = run_all(engine, [prompt], [20])[0]
+    cache, page = engine.prefix_cache, engine.layout.page_size
+    tokens = prompt + output
+    # The pages the request cached while it ran: all but the last, filled by the step that finished it.
+    hashes = cache.chain(tokens, 0, (len(tokens) - 1) // page - 1)
+    snapshots = [i + 1 for i, h in enumerate(hashes) if cache.entries[h].snapshot is not None]
+    assert [b * page for b in snapshots] == list(range(8, len(tokens) - 1, page))  # 8, 12, ..., 24
+    # A prompt continuing the output resumes at the deepest boundary: only its tail is computed.
+    follow = tokens[:len(tokens) - 1] + [5, 6]
+    want = oracle.reference(follow, 3)
+    hit_before = cache.hit_tokens
+    assert run_all(engine, [follow], [3])[0] == want
+    assert cache.hit_tokens - hit_before == snapshots[-1] * page
+    assert_pool_full(engine)
