@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import k3jax
-from benchmarks.engine_fp8_agreement import LAYOUT, MAX_MODEL_LEN, PROMPT, greedy_picks
+from benchmarks.engine_fp8_agreement import LAYOUT, MAX_MODEL_LEN, greedy_picks, trained_bf16_model
 from convert import synth
 from serve.engine import Engine
 from serve.llm import default_model_dir, load_tokenizer
@@ -55,18 +55,18 @@ def test_text_prompt_without_a_tokenizer_is_refused(tmp_path):
         engine.add_request("hi")
 
 
-def test_fp8_pages_agree_with_bf16_pages_on_most_teacher_forced_tokens():
+def test_fp8_pages_agree_with_bf16_pages_on_95_percent_of_a_trained_models_tokens():
     """A 256-token greedy run with bf16 pages is fed token by token to fp8 E4M3 pages (scale 1) and
     the argmaxes compared at every position (benchmarks/engine_fp8_agreement.py; free-running runs
     part for good at their first flip, so they would not measure the cache).
 
-    The issue asks 95%. Random k3-tiny weights give flat logits (std 1, median top-2 margin about 0.2) and
-    amplify rounding: even the fp32 model agrees with the bf16 one on only 36-46% of positions, where
-    fp8 pages measured 0.75, 0.80 and 0.84 (seeds 0, 1, 2). The bound is a floor under those, not the
-    issue's target; a wrong scale or an overflow (NaN) takes it to 0."""
-    model = k3jax.K3Model.random(k3jax.K3Config.from_preset("k3-tiny"), dtype="bfloat16", seed=0)
+    On a model with structure: the trained fixture (k3-tiny with dense MLPs trained on this
+    repository's sources). Random weights give flat logits that any rounding flips (even the fp32
+    model agrees with the bf16 one on only 36-46% of positions there; fp8 pages 75-84%)."""
+    model, prompt = trained_bf16_model()
     bf16 = Runner(model, LAYOUT, max_model_len=MAX_MODEL_LEN)
     fp8 = Runner(model, LAYOUT, max_model_len=MAX_MODEL_LEN, kv_cache_dtype=jnp.float8_e4m3fn)
-    reference, _ = greedy_picks(bf16, PROMPT, 256)
-    picks, _ = greedy_picks(fp8, PROMPT, 256, feed=list(reference))
-    assert np.mean(picks == reference) >= 0.7
+    reference, _ = greedy_picks(bf16, prompt, 256)
+    picks, _ = greedy_picks(fp8, prompt, 256, feed=list(reference))
+    assert len(set(reference.tolist())) > 10  # a varied continuation, not one token repeated
+    assert np.mean(picks == reference) >= 0.95
