@@ -1,6 +1,6 @@
 """The eval job on a synthetic k3-tiny checkpoint against references computed here, one request at a
 time with `K3Model.logits` and plain log-softmax: loglikelihood and is_greedy, strided perplexity,
-bad lines, a killed and resumed job, meshes 1x1 and 8x2, and two processes.
+bad lines, a killed and resumed job, meshes 1x1 and 8x2, and two processes (loglikelihood and generate).
 
 Every request is 25..32 tokens long and max_length is 32, so the job compiles one batch shape and the
 reference one row shape (compiles dominate the time on CPU); the module shares one model.
@@ -8,7 +8,6 @@ reference one row shape (compiles dominate the time on CPU); the module shares o
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ from k3jax.eval.output import ResultsWriter
 from serve.llm import load_tokenizer
 from sharding.mesh import make_mesh
 from tests.k3jax.tiny_configs import k3_tiny_dict
+from tests.processes import local_coordinator
 
 T = 32  # max_length, and the reference's padded row length
 BAD_LINES = {  # line text -> expected error substring; appended after the good requests
@@ -195,52 +195,93 @@ def test_mesh_8x2_gives_the_results_of_1x1(setup, requests, single):
     check_same_results(root / "mesh.jsonl", single)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The command-line runs, all at once: the generate task in one process, and two processes (mesh 1x2: the
+# data split over them, one CPU device each) that run the loglikelihood task, then the generate task. Code
+# generated at -O0 compiles in half the time or less; it changes results only in rounding.
+CLI_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+TWO_PROCESS_WORKER = """
+import json, sys
+import jax
+from sharding.distributed import initialize
+initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=60)
+from k3jax.eval.__main__ import main
+for argv in json.loads(sys.argv[3]):
+    main(argv)
+jax.distributed.shutdown()
+"""
 
 
-def test_two_processes_give_the_results_of_one(setup, requests, single):
-    """Two local processes of one CPU device each (mesh 1x2: data split over the processes), through the
-    command line; each reads every other line, process 0 writes the file."""
-    root, checkpoint, _, _ = setup
-    out = root / "two.jsonl"
-    coordinator = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    cmd = [sys.executable, "-m", "k3jax.eval", "--model", str(checkpoint), "--data", str(requests[0]), "--out",
-           str(out), "--mesh", "1x2", "--batch-size", "4", "--dtype", "float32", "--max-length", str(T),
-           "--coordinator", coordinator, "--num-processes", "2"]
-    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
-    results = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
-    check_same_results(out, single)
-    # each process reported the bad lines of its own slice
-    first_bad = len(requests[1]) + 1
-    for i, (_, err) in enumerate(results):
-        for line in range(first_bad, first_bad + len(BAD_LINES)):
-            assert (f"line {line}: " in err) == ((line - 1) % 2 == i)
-
-
-def test_generate_uses_each_lines_sampling_params(setup):
-    root, _, model, _ = setup
+@pytest.fixture(scope="module")
+def prompts(setup):
+    """Greedy and seeded sampled lines, and two bad ones. Lines go to the processes in turn: process 0 runs
+    both 3-token lines and process 1 both 1-token lines, so neither compiles more than one prefill and one
+    decode shape."""
+    root = setup[0]
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 256, 6).tolist(), rng.integers(0, 256, 9).tolist()]
-    lines = [{"id": "g3", "prompt_ids": prompts[0], "sampling_params": {"temperature": 0, "max_tokens": 3,
-                                                                          "ignore_eos": True}},
-             {"id": "g1", "prompt_ids": prompts[1], "sampling_params": {"temperature": 0, "max_tokens": 1}},
+    ids = [rng.integers(0, 256, n).tolist() for n in (6, 9, 7, 5)]
+    lines = [{"id": "g3", "prompt_ids": ids[0], "sampling_params": {"temperature": 0, "max_tokens": 3,
+                                                                    "ignore_eos": True}},
+             {"id": "g1", "prompt_ids": ids[1], "sampling_params": {"temperature": 0, "max_tokens": 1}},
              {"id": "bad", "prompt_ids": [1, 2], "sampling_params": {"bogus": 1}},
-             {"id": "long", "prompt_ids": [1] * T}]
+             {"id": "long", "prompt_ids": [1] * T},
+             {"id": "s3", "prompt_ids": ids[2], "sampling_params": {"temperature": 0.9, "top_p": 0.9, "seed": 11,
+                                                                    "max_tokens": 3, "ignore_eos": True}},
+             {"id": "s1", "prompt_ids": ids[3], "sampling_params": {"temperature": 1.5, "seed": 12, "max_tokens": 1}}]
     path = root / "prompts.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run(model, None, path, root / "gen.jsonl", task="generate", engine_options={"block_size": 8})
-    got = records(root / "gen.jsonl")
-    assert [r["line"] for r in got] == [1, 2, 3, 4]
-    for record, prompt, n in zip(got, prompts, (3, 1)):
-        tokens = list(prompt)
-        for _ in range(n):  # greedy by full forwards
-            tokens.append(int(np.argmax(reference_logits(model, tokens)[-1])))
-        assert record["token_ids"] == tokens[len(prompt):] and record["finish_reason"] == "length"
+    return path
+
+
+@pytest.fixture(scope="module")
+def cli_runs(setup, requests, prompts):
+    """{name: (returncode, output)} of the runs: one_gen writes one_gen.jsonl; process0 and process1 write
+    two.jsonl (loglikelihood) and two_gen.jsonl (generate)."""
+    root, checkpoint = setup[0], str(setup[1])
+    common = ["--model", checkpoint, "--batch-size", "4", "--dtype", "float32", "--max-length", str(T)]
+    generate = ["--task", "generate", "--data", str(prompts), "--engine-options", '{"block_size": 8}']
+    tasks = [["--data", str(requests[0]), "--out", str(root / "two.jsonl"), "--mesh", "1x2", *common],
+             [*generate, "--out", str(root / "two_gen.jsonl"), "--mesh", "1x2", *common]]
+    commands = {"one_gen": ["-m", "k3jax.eval", *generate, "--out", str(root / "one_gen.jsonl"), *common]}
+    coordinator = local_coordinator()
+    for i in range(2):
+        commands[f"process{i}"] = ["-c", TWO_PROCESS_WORKER, coordinator, str(i), json.dumps(tasks)]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), **CLI_ENV}
+    procs = {}
+    for name, args in commands.items():  # output to files: a full pipe would stall a process and its peer
+        with open(root / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    return {name: (p.wait(timeout=300), (root / f"{name}.log").read_text()) for name, p in procs.items()}
+
+
+def test_generate_uses_each_lines_sampling_params(setup, prompts, cli_runs):
+    """The command line in one process: greedy lines as full forwards pick them, per-line max_tokens, errors."""
+    root, _, model, _ = setup
+    returncode, output = cli_runs["one_gen"]
+    assert returncode == 0, output[-3000:]
+    got = records(root / "one_gen.jsonl")
+    assert [r["id"] for r in got] == ["g3", "g1", "bad", "long", "s3", "s1"]
+    lines = [json.loads(line) for line in open(prompts)]
+    for record, line in zip(got, lines):
+        if "error" in record:
+            continue
+        n = line["sampling_params"]["max_tokens"]
+        assert len(record["token_ids"]) == n and record["finish_reason"] == "length", record
+        if line["sampling_params"]["temperature"] == 0:
+            tokens = list(line["prompt_ids"])
+            for _ in range(n):  # greedy by full forwards
+                tokens.append(int(np.argmax(reference_logits(model, tokens)[-1])))
+            assert record["token_ids"] == tokens[-n:], record["id"]
     assert "bogus" in got[2]["error"] and "max_model_len" in got[3]["error"]
+
+
+def test_two_processes_give_the_results_of_one(requests, single, cli_runs, setup):
+    """Process 0 writes the files; each process reads every other line and reports the bad lines of its slice."""
+    root = setup[0]
+    for i in range(2):
+        returncode, output = cli_runs[f"process{i}"]
+        assert returncode == 0, output[-3000:]
+        for line in range(len(requests[1]) + 1, len(requests[1]) + len(BAD_LINES) + 1):
+            assert (f"line {line}: " in output) == ((line - 1) % 2 == i)
+    check_same_results(root / "two.jsonl", single)
+    # generate: each process runs its own engine on its lines; greedy and seeded lines come out the same
+    assert (root / "two_gen.jsonl").read_text() == (root / "one_gen.jsonl").read_text()
