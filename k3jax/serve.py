@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
                             mesh=None if args.mesh == "1x1" else args.mesh)
     engine = Engine(model, options, tokenizer=load_tokenizer(path))
-    if multihost.active() and not multihost.is_leader():  # process 0 serves; this one runs its steps
+    if engine.runner.spans_processes and not multihost.is_leader():  # process 0 serves; this one runs its steps
         log.info("process %d follows the steps of process 0", jax.process_index())
         engine.runner.follow()
         return 0

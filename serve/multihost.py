@@ -5,7 +5,8 @@ Before each step the leader's Runner announces it: an op code and the step's sha
 both through JAX's own collectives (`broadcast_one_to_all`, no side channel). The followers loop in
 `Runner.follow`, running the same step on the same arrays, so every process enters the same SPMD
 programs in the same order. The logits come back replicated, so the leader samples from its own copy
-without the others. With one process every function here does nothing.
+without the others. This applies when the model's mesh spans processes (`spans_processes`); an
+engine on one process's own devices (the eval job runs one per process) announces nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 RUN, COPY_SLOT, STOP = 1, 2, 3
 
 
-def active() -> bool:
-    return jax.process_count() > 1
+def spans_processes(mesh) -> bool:
+    return mesh is not None and mesh.is_multi_process
 
 
 def is_leader() -> bool:
@@ -28,8 +29,6 @@ def is_leader() -> bool:
 
 def announce(op: int, rows: int = 0, tokens: int = 0, arrays: tuple = ()) -> None:
     """Leader: tells the followers which step comes next, then sends its arrays (int32)."""
-    if not active():
-        return
     multihost_utils.broadcast_one_to_all(np.array([op, rows, tokens], np.int32))
     if arrays:
         multihost_utils.broadcast_one_to_all(tuple(np.asarray(a, np.int32) for a in arrays))
@@ -49,7 +48,5 @@ def receive(shapes_of) -> tuple[int, tuple]:
 def local_copy(x: jax.Array, mesh) -> jax.Array:
     """x replicated on every device of the mesh (every process takes part), then this process's
     first copy: an array the leader can sample from on its own."""
-    if not active():
-        return x
     replicated = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
     return replicated.addressable_data(0)

@@ -87,7 +87,8 @@ class Runner:
 
     def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None,
                  taps: TapSpec | None = None):
-        if taps is not None and multihost.active():
+        self.spans_processes = multihost.spans_processes(model.mesh)  # the leader announces every step
+        if taps is not None and self.spans_processes:
             raise ValueError("speculative decoding does not run across several processes yet; serve it from one")
         self.model = model
         self.layout = layout
@@ -103,12 +104,13 @@ class Runner:
         Returns (float32 logits [num_rows, vocab] of each row's last new token (padding rows: garbage),
         the tapped hidden states [num_rows, num_tokens, F] or None)."""
         arrays = self._arrays(rows, num_rows, num_tokens)
-        multihost.announce(multihost.RUN, num_rows, num_tokens, arrays)
+        if self.spans_processes:
+            multihost.announce(multihost.RUN, num_rows, num_tokens, arrays)
         return self._run(arrays)
 
     def _run(self, arrays):
         logits, self.pools, taps = self._call(_step, *arrays)
-        return multihost.local_copy(logits, self.model.mesh), taps
+        return (multihost.local_copy(logits, self.model.mesh) if self.spans_processes else logits), taps
 
     def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
         """Like `run` over speculative windows (the last token, then the drafts), without touching the
@@ -137,7 +139,8 @@ class Runner:
 
     def copy_slot(self, source: int, target: int) -> None:
         """Copies a KDA slot: a prefix-cache snapshot into a request's slot, or the other way round."""
-        multihost.announce(multihost.COPY_SLOT, arrays=(np.array([source, target]),))
+        if self.spans_processes:
+            multihost.announce(multihost.COPY_SLOT, arrays=(np.array([source, target]),))
         self._copy(source, target)
 
     def _copy(self, source, target) -> None:
@@ -159,8 +162,9 @@ class Runner:
                 raise RuntimeError(f"the leader announced an unknown step {op}")
 
     def stop_followers(self) -> None:
-        """Leader: ends the followers' loops (nothing with one process)."""
-        multihost.announce(multihost.STOP)
+        """Leader: ends the followers' loops (nothing when the mesh is one process's)."""
+        if self.spans_processes:
+            multihost.announce(multihost.STOP)
 
     def _shapes(self, op: int, rows: int, tokens: int) -> list[tuple[int, ...]]:
         """The arrays the leader sends with a step (`run`'s `_arrays`, or copy_slot's two slots)."""
