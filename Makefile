@@ -22,7 +22,7 @@ $(STAMP): $(PY) pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --durations=15 tests
 
 serve: $(STAMP)
 	$(PY) -m k3jax.serve

@@ -114,11 +114,10 @@ def test_stop_token_inside_a_window_ends_the_output_there(engine, oracle):
     assert_pool_full(engine)
 
 
+@pytest.mark.parametrize("engine", [True], ids=["prefix-cache"], indirect=True)  # snapshots are the prefix cache's
 def test_windows_leave_a_snapshot_at_every_page_boundary_they_pass(engine, oracle):
     """As plain decoding does (one snapshot per page boundary reached, Scheduler.register): 8-token
     windows over 4-token pages pass two boundaries each, and a later prompt resumes from the deepest."""
-    if engine.prefix_cache is None:
-        pytest.skip("snapshots belong to the prefix cache")
     oracle.random = False
     engine.reset_prefix_cache()
     prompt = list(range(3, 12))  # 9 tokens: the prompt's snapshot at 8, then windows from 9 to 17 to 25
