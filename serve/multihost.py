@@ -11,6 +11,8 @@ engine on one process's own devices (the eval job runs one per process) announce
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -48,5 +50,10 @@ def receive(shapes_of) -> tuple[int, tuple]:
 def local_copy(x: jax.Array, mesh) -> jax.Array:
     """x replicated on every device of the mesh (every process takes part), then this process's
     first copy: an array the leader can sample from on its own."""
-    replicated = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
-    return replicated.addressable_data(0)
+    return _replicate(mesh)(x).addressable_data(0)
+
+
+@functools.cache
+def _replicate(mesh):
+    """One jitted identity per mesh, so each step reuses its compilation."""
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
