@@ -31,7 +31,7 @@ def compile_seconds(cfg: K3Config, batch: int = 4, max_len: int = 64) -> float:
     tokens = jnp.zeros((batch, 1), jnp.int32)
     lengths = jnp.ones((batch,), jnp.int32)
     start = time.perf_counter()
-    _forward.lower(model.graphdef, model.params, tokens, lengths, cache).compile()
+    _forward.lower(model.structure, model.params, tokens, lengths, cache).compile()
     return time.perf_counter() - start
 
 

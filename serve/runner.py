@@ -20,7 +20,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.decoder import PagedState, TapSpec, init_pools
@@ -45,18 +44,18 @@ def bucket(value: int, sizes: tuple[int, ...]) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
-def _step(graphdef, params, pools, tokens, lengths, offsets, slots, page_table, taps):
+def _step(structure, params, pools, tokens, lengths, offsets, slots, page_table, taps):
     """Last-token logits [rows, V], the pools, and the tapped hidden states [rows, T, F] (or None)."""
-    model = nnx.merge(graphdef, params)
+    model = structure.merge(params)
     out = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), last_only=True, taps=taps)
     return out[0], out[1].layers, out[2].taps if taps is not None else None
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
-def _verify(graphdef, params, pools, tokens, lengths, offsets, slots, page_table, taps):
+def _verify(structure, params, pools, tokens, lengths, offsets, slots, page_table, taps):
     """A speculative window per row: logits of every position [rows, W, V], the pools (MLA rows
     written for the whole window, KDA slots untouched), the taps and the KDA records."""
-    model = nnx.merge(graphdef, params)
+    model = structure.merge(params)
     logits, state, aux = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), taps=taps,
                                record=True)
     return logits, state.layers, aux.taps, aux.records
@@ -182,7 +181,7 @@ class Runner:
         else:  # rows over data
             arrays = (put(a, NamedSharding(model.mesh, PartitionSpec("data"))) for a in arrays)
         with self._mesh():
-            return fn(model.graphdef, model.params, self.pools, *arrays, self.taps)
+            return fn(model.structure, model.params, self.pools, *arrays, self.taps)
 
     def _pool_shardings(self, make):
         return pool_shardings(jax.eval_shape(make), self.model.mesh)

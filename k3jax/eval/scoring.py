@@ -13,7 +13,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -21,10 +20,10 @@ from k3jax.model import K3Model
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _score(graphdef, params, tokens, lengths, starts):
+def _score(structure, params, tokens, lengths, starts):
     """Per row: sum over scored positions t in [start, length) of log p(tokens[t] | tokens[:t]), and
     whether every scored token is the argmax of its prediction."""
-    logits, _ = nnx.merge(graphdef, params)(tokens, lengths)
+    logits, _ = structure.merge(params)(tokens, lengths)
     pred = logits[:, :-1]  # position t-1 predicts token t
     target = tokens[:, 1:]
     picked = jnp.take_along_axis(pred, target[..., None], axis=-1)[..., 0]
@@ -54,12 +53,12 @@ class Scorer:
         model = self.model
         if self.mesh is None:
             self.shapes.add(tokens.shape)
-            total, greedy = _score(model.graphdef, model.params, tokens, lengths, starts)
+            total, greedy = _score(model.structure, model.params, tokens, lengths, starts)
             return np.asarray(total), np.asarray(greedy)
         arrays = [jax.make_array_from_process_local_data(self.sharding, a) for a in (tokens, lengths, starts)]
         self.shapes.add(arrays[0].shape)
         with jax.set_mesh(self.mesh):
-            total, greedy = _score(model.graphdef, model.params, *arrays)
+            total, greedy = _score(model.structure, model.params, *arrays)
         if jax.process_count() > 1:
             total, greedy = multihost_utils.global_array_to_host_local_array((total, greedy), self.mesh,
                                                                              PartitionSpec("data"))

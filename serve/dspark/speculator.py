@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.decoder import TapSpec
+from k3jax.model import Structure
 from serve.dspark.draft import init_draft_pages, inject_context, propose, shared_head
 from serve.dspark.loading import load_draft
 from serve.dspark.rejection import draft_keys
@@ -77,7 +78,8 @@ class DSparkSpeculator:
         self.num_speculative_tokens = k
         self.probabilistic = probabilistic
         self.taps = TapSpec(tuple(cfg.target_layer_ids), cfg.target_hidden_tap)
-        self.graphdef, self.params = nnx.split(draft)
+        graphdef, self.params = nnx.split(draft)
+        self.structure = Structure(graphdef)
         self.head = shared_head(target)
         self.mesh = target.mesh
         self.kv_cache_dtype = kv_cache_dtype or target.dtype
@@ -109,7 +111,7 @@ class DSparkSpeculator:
             counts[i], offsets[i] = count, offset
         counts = jnp.asarray(counts) if accepted is None else jnp.minimum(jnp.asarray(counts), accepted)
         with self._mesh():
-            self.pages = _inject(self.graphdef, self.params, self.pages, taps, counts, jnp.asarray(offsets),
+            self.pages = _inject(self.structure, self.params, self.pages, taps, counts, jnp.asarray(offsets),
                                  jnp.asarray(self._table([r for r, _, _ in rows], num_rows)))
 
     def propose(self, requests, num_rows: int) -> tuple[np.ndarray, object]:
@@ -122,7 +124,7 @@ class DSparkSpeculator:
                                           request_ids=[r.arrival for r in requests], engine_seed=self.engine_seed)
         with self._mesh():
             drafts, draft_logits, self.pages = _propose(
-                self.graphdef, self.params, self.pages, jnp.asarray(bonus), jnp.asarray(positions),
+                self.structure, self.params, self.pages, jnp.asarray(bonus), jnp.asarray(positions),
                 jnp.asarray(self._table(requests, num_rows)), self.head, jnp.asarray(batch.temperature),
                 draft_keys(batch), not self.probabilistic, self.num_speculative_tokens)
         return np.asarray(drafts)[:len(requests)], draft_logits if self.probabilistic else None
@@ -142,13 +144,13 @@ class DSparkSpeculator:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _inject(graphdef, params, pages, taps, counts, offsets, page_table):
+def _inject(structure, params, pages, taps, counts, offsets, page_table):
     valid = jnp.arange(taps.shape[1], dtype=jnp.int32)[None, :] < counts[:, None]
-    return inject_context(nnx.merge(graphdef, params), pages, taps, valid, offsets, page_table)
+    return inject_context(structure.merge(params), pages, taps, valid, offsets, page_table)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=2)
-def _propose(graphdef, params, pages, bonus, positions, page_table, head, temperature, keys, greedy_only,
+def _propose(structure, params, pages, bonus, positions, page_table, head, temperature, keys, greedy_only,
              num_tokens):
-    return propose(nnx.merge(graphdef, params), pages, bonus, positions, page_table, head, temperature=temperature,
+    return propose(structure.merge(params), pages, bonus, positions, page_table, head, temperature=temperature,
                    keys=keys, greedy_only=greedy_only, num_tokens=num_tokens)
