@@ -198,8 +198,8 @@ class Engine:
         logits, taps = self.runner.run([], num_rows, num_tokens)
         if self.speculator is not None:
             self.speculator.observe([], taps)
-        for ready in ([], [(0, Request("warmup", [0], SamplingParams(logprobs=1), -1))]):
-            self._sample(logits, ready)  # without and with logprobs
+        for params in sampling.VARIANTS:
+            self._sample(logits, [(0, Request("warmup", [0], params, -1))])
 
     # steps
 
@@ -272,14 +272,17 @@ class Engine:
         return [(int(tokens[i]), entry) for (i, _), entry in zip(ready, entries)]
 
     def _penalty_inputs(self, ready, num_rows: int, vocab: int):
-        """Output-token counts and prompt masks [num_rows, vocab]; zeros unless a row uses a penalty.
-        Built on the host per step: fine for small vocabularies and occasional use (a device-resident
-        per-slot count table would avoid the copy at K3's 164K vocabulary)."""
+        """Output-token counts and prompt masks [num_rows, vocab] (zero rows for requests without a
+        penalty), or (None, None) when no ready request uses one: at K3's 164K vocabulary a batch's
+        two arrays are ~5 bytes x rows x 164K, too much to build and copy every step for nothing.
+        Built on the host: fine for occasional use (a device-resident per-slot count table would
+        avoid the copy)."""
+        if not any(r.params.uses_penalties for _, r in ready):
+            return None, None
         counts = np.zeros((num_rows, vocab), np.int32)
         prompt_mask = np.zeros((num_rows, vocab), bool)
         for i, request in ready:
-            p = request.params
-            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            if request.params.uses_penalties:
                 np.add.at(counts[i], request.output, 1)
                 prompt_mask[i, request.prompt] = True
         return counts, prompt_mask

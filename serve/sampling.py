@@ -72,6 +72,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
 
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def __post_init__(self):
         stop = self.stop
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
@@ -122,6 +126,12 @@ def _key_words(seed: int) -> tuple[int, int]:
     """A seed (any int, taken modulo 2**64) as the two uint32 words of a threefry key."""
     seed &= _UINT64_MASK
     return seed >> 32, seed & 0xFFFFFFFF
+
+
+# One request of each compiled variant of the samplers (with or without logprobs, and penalties),
+# for warm-ups.
+VARIANTS = (SamplingParams(), SamplingParams(logprobs=1), SamplingParams(repetition_penalty=1.1),
+            SamplingParams(logprobs=1, repetition_penalty=1.1))
 
 
 class SamplingBatch(NamedTuple):
@@ -214,7 +224,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array, pr
     """Samples one token per row of logits [B, V] (any float dtype; sampled in f32).
 
     output_counts: int32 [B, V], how often each token was generated (`update_counts`);
-    prompt_mask: bool [B, V], the tokens of each prompt (`token_counts(prompt) > 0`).
+    prompt_mask: bool [B, V], the tokens of each prompt (`token_counts(prompt) > 0`); both None when no
+    row uses a penalty (their own compile, which skips two [B, V] host-to-device copies).
     num_logprobs is static (each value compiles once): pass 0 when no row asks for alternatives,
     else one bucket such as MAX_LOGPROBS, and let each row keep the first n it asked for.
     """
@@ -249,9 +260,12 @@ def gumbel_argmax(logits: jax.Array, keys: jax.Array) -> jax.Array:
 
 def penalised_logits(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array,
                      prompt_mask: jax.Array) -> jax.Array:
-    """Steps 1-2 on f32 logits [B, V]: banned ids (min_tokens) to -inf, then the penalties."""
+    """Steps 1-2 on f32 logits [B, V]: banned ids (min_tokens) to -inf, then the penalties (none when
+    output_counts is None)."""
     rows = jnp.arange(logits.shape[0])[:, None]
     banned = logits.at[rows, batch.banned_ids].set(-jnp.inf, mode="drop")
+    if output_counts is None:
+        return banned
     return apply_penalties(banned, batch, output_counts, prompt_mask)
 
 

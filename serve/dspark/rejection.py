@@ -67,13 +67,15 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits: jax.Array 
 
     target_logits [N, K+1, V]; drafts int32 [N, K] (the first num_drafts[n] are real); draft_logits
     float32 [N, K, V] for probabilistic drafts, None for greedy ones; batch from `window_batch`;
-    output_counts int32 [N, V] and prompt_mask bool [N, V] as for `sampling.sample`.
+    output_counts int32 [N, V] and prompt_mask bool [N, V] (or both None) as for `sampling.sample`.
     """
     n, window, vocab = target_logits.shape
     k = window - 1
     logits = target_logits.astype(jnp.float32).reshape(n * window, vocab)
-    penalised = sampling.penalised_logits(logits, batch, _window_counts(output_counts, drafts, num_drafts),
-                                          jnp.repeat(prompt_mask, window, axis=0)).reshape(n, window, vocab)
+    if output_counts is not None:  # else no row uses a penalty
+        output_counts = _window_counts(output_counts, drafts, num_drafts)
+        prompt_mask = jnp.repeat(prompt_mask, window, axis=0)
+    penalised = sampling.penalised_logits(logits, batch, output_counts, prompt_mask).reshape(n, window, vocab)
     greedy = batch.temperature.reshape(n, window)[:, 0] == 0
     has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
     argmax = jnp.argmax(penalised, axis=-1).astype(jnp.int32)

@@ -28,7 +28,6 @@ from serve.dspark import rejection
 from serve.dspark.speculator import DSparkSpeculator
 from serve.runner import bucket
 from serve.scheduler import Request, Status
-from serve.sampling import SamplingParams
 
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "draft_sample_method")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -219,7 +218,7 @@ def warm_verify(engine, num_rows: int) -> None:
     k = spec.num_speculative_tokens
     logits, taps, records = engine.runner.verify([], num_rows, k + 1)
     drafts, num_drafts = np.zeros((num_rows, k), np.int32), np.zeros(num_rows, np.int32)
-    for params in (SamplingParams(), SamplingParams(logprobs=1)):
+    for params in sampling.VARIANTS:
         result = _accept(engine, [Request("warmup", [0], params, -1)], num_rows, logits, drafts, num_drafts)
     engine.runner.commit(records, np.zeros(num_rows, np.int32), result.num_accepted + 1)
     spec.warmup(num_rows, taps)

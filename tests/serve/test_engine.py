@@ -127,7 +127,8 @@ class CountCompiles:
 def test_no_compilation_after_warmup(engine):
     with CountCompiles() as compiles:
         prompts, max_tokens = workload(3, 8, lengths=(1, 40))
-        params = [SamplingParams(temperature=t, top_k=k, seed=i, max_tokens=n, logprobs=2 if i % 3 else None)
+        params = [SamplingParams(temperature=t, top_k=k, seed=i, max_tokens=n, logprobs=2 if i % 3 else None,
+                                 repetition_penalty=1.2 if i % 6 in (0, 1) else 1.0)
                   for i, (t, k, n) in enumerate(zip([0.0, 0.7, 1.0, 0.0] * 2, [0, 5, 0, 3] * 2, max_tokens))]
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         while engine.has_unfinished():

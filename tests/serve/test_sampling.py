@@ -129,6 +129,19 @@ def test_penalties_match_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_no_penalty_inputs_sample_as_zero_ones():
+    """None for the counts and prompt mask (the engine's batches without penalties) is the same
+    sampler as all-zero arrays: tokens, logprobs and alternatives."""
+    params = [SamplingParams(temperature=t, top_k=k, seed=i) for i, (t, k) in
+              enumerate(zip([0.0, 0.8, 1.3, 0.5] * (B // 4), [0, 0, 5, 3] * (B // 4)))]
+    batch = batch_of(params)
+    want = run(LOGITS, batch, num_logprobs=3)
+    got = [np.asarray(x) for x in sample(LOGITS, batch, None, None, num_logprobs=3)]
+    np.testing.assert_array_equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_greedy_uses_penalised_logits():
     logits = np.full((B, V), -5.0, np.float32)
     logits[:, :2] = [[3.0, 2.9]] * B

@@ -44,8 +44,8 @@ def one_shot_drafts(model, spec, tokens, computed, num_tokens):  # noqa: F811
     tapped from one full forward of the target."""
     padded = np.zeros((1, MAX_LEN), np.int32)
     padded[0, :computed] = tokens[:computed]
-    drafts = _one_shot(model.graphdef, spec.structure.graphdef, spec.taps, spec.cfg, num_tokens, model.params, spec.params,
-                       spec.head, jnp.asarray(padded), jnp.int32(computed), jnp.int32(tokens[computed]))
+    drafts = _one_shot(model.graphdef, spec.structure.graphdef, spec.taps, spec.cfg, num_tokens, model.params,
+                       spec.params, spec.head, jnp.asarray(padded), jnp.int32(computed), jnp.int32(tokens[computed]))
     return np.asarray(drafts)[0].tolist()
 
 

@@ -20,11 +20,11 @@ def verify(logits, drafts, num_drafts, params, *, draft_logits=None, num_generat
     num_generated = [0] * n if num_generated is None else num_generated
     batch = rejection.window_batch(params, n, window, num_generated=num_generated, request_ids=range(n),
                                    eos_token_ids=[EOS], engine_seed=5)
-    counts = np.zeros((n, vocab), np.int32) if output_counts is None else output_counts
-    mask = np.zeros((n, vocab), bool) if prompt_mask is None else prompt_mask
+    if output_counts is not None:  # else no penalties: the engine's None path
+        output_counts, prompt_mask = jnp.asarray(output_counts), jnp.asarray(prompt_mask)
     result = rejection.verify(jnp.asarray(logits), jnp.asarray(drafts, jnp.int32),
                               None if draft_logits is None else jnp.asarray(draft_logits),
-                              jnp.asarray(num_drafts, jnp.int32), batch, jnp.asarray(counts), jnp.asarray(mask),
+                              jnp.asarray(num_drafts, jnp.int32), batch, output_counts, prompt_mask,
                               num_logprobs=num_logprobs)
     return np.asarray(result.num_accepted), np.asarray(result.tokens), result
 
@@ -35,6 +35,7 @@ MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1
 
 
 def test_a_window_without_drafts_draws_what_sample_draws():
+    """verify without penalty inputs (None) against sample with all-zero ones."""
     rng = np.random.default_rng(0)
     params = MIXED * 3
     n, vocab = len(params), 37
