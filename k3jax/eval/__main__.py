@@ -41,15 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_model(path: str, mesh_spec: str, dtype: str, task: str):
-    """The model on the job's mesh. generate runs one engine per process on a mesh of its own
-    devices (`model` x 1), so there the data axis must equal the number of processes."""
+    """The model on the job's mesh. generate runs one engine per process, on a mesh of that process's
+    own devices (`model` x `data` / processes), so there the data axis must divide over the processes."""
     if task != "generate":
         return k3jax.from_pretrained(path, dtype=dtype, mesh=make_mesh(mesh_spec))
-    sizes = parse_mesh(mesh_spec)
-    if sizes["data"] != jax.process_count():
+    sizes, processes = parse_mesh(mesh_spec), jax.process_count()
+    if sizes["data"] % processes:
         raise SystemExit(f"k3jax.eval: generate runs one engine per process; --mesh {mesh_spec} has data="
-                         f"{sizes['data']} for {jax.process_count()} process(es)")
-    mesh = None if sizes["model"] == 1 else make_mesh(f"{sizes['model']}x1", devices=jax.local_devices())
+                         f"{sizes['data']}, not a multiple of the {processes} process(es)")
+    local = f"{sizes['model']}x{sizes['data'] // processes}"
+    mesh = None if local == "1x1" else make_mesh(local, devices=jax.local_devices())
     return k3jax.from_pretrained(path, dtype=dtype, mesh=mesh)
 
 

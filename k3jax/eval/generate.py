@@ -1,8 +1,8 @@
 """The generate task: prompts through the serving engine (continuous batching, paged caches), with
 each line's own sampling parameters.
 
-The engine runs meshes with data=1, so each process drives one engine on its own devices and the
-processes split the prompts between them (data parallelism across hosts). Prompts go in rounds of
+Each process drives one engine on a mesh of its own devices (its rows split over that mesh's `data`),
+and the processes split the prompts between them (data parallelism across hosts). Prompts go in rounds of
 `batch_size` per process; after each round the processes exchange their finished lines, so the
 output grows as the job runs and a restart redoes at most one round.
 """
@@ -22,8 +22,6 @@ OUTPUT_FIELDS = ("text", "token_ids", "finish_reason")
 def run_generate(model: K3Model, tokenizer, pending: list[Request], emit, options, max_length: int) -> dict:
     from serve.engine import Engine, EngineOptions  # noqa: PLC0415 (serve imports k3jax: no import-time cycle)
 
-    if model.mesh is not None and model.mesh.shape["data"] != 1:
-        raise ValueError("generate runs the engine, which takes meshes with data=1 (one engine per process)")
     engine_options = {"max_model_len": max_length, "max_num_seqs": options.batch_size, **options.engine_options}
     engine = Engine(model, EngineOptions(**engine_options), tokenizer=tokenizer)
     size = options.batch_size

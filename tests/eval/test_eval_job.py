@@ -195,10 +195,11 @@ def test_mesh_8x2_gives_the_results_of_1x1(setup, requests, single):
     check_same_results(root / "mesh.jsonl", single)
 
 
-# The command-line runs, all at once: the generate task in one process, and two processes (mesh 1x2: the
-# data split over them, one CPU device each) that run the loglikelihood task, then the generate task. Code
-# generated at -O0 compiles in half the time or less; it changes results only in rounding.
-CLI_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+# The command-line runs, all at once: the generate task in one process, and two processes (mesh 1x4: the
+# data split over them, two CPU devices each) that run the loglikelihood task, then the generate task (an
+# engine on each process's 1x2 mesh). Code generated at -O0 compiles in half the time or less; it changes
+# results only in rounding.
+CLI_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"}
 TWO_PROCESS_WORKER = """
 import json, sys
 import jax
@@ -239,8 +240,8 @@ def cli_runs(setup, requests, prompts):
     root, checkpoint = setup[0], str(setup[1])
     common = ["--model", checkpoint, "--batch-size", "4", "--dtype", "float32", "--max-length", str(T)]
     generate = ["--task", "generate", "--data", str(prompts), "--engine-options", '{"block_size": 8}']
-    tasks = [["--data", str(requests[0]), "--out", str(root / "two.jsonl"), "--mesh", "1x2", *common],
-             [*generate, "--out", str(root / "two_gen.jsonl"), "--mesh", "1x2", *common]]
+    tasks = [["--data", str(requests[0]), "--out", str(root / "two.jsonl"), "--mesh", "1x4", *common],
+             [*generate, "--out", str(root / "two_gen.jsonl"), "--mesh", "1x4", *common]]
     commands = {"one_gen": ["-m", "k3jax.eval", *generate, "--out", str(root / "one_gen.jsonl"), *common]}
     coordinator = local_coordinator()
     for i in range(2):
@@ -283,5 +284,5 @@ def test_two_processes_give_the_results_of_one(requests, single, cli_runs, setup
         for line in range(len(requests[1]) + 1, len(requests[1]) + len(BAD_LINES) + 1):
             assert (f"line {line}: " in output) == ((line - 1) % 2 == i)
     check_same_results(root / "two.jsonl", single)
-    # generate: each process runs its own engine on its lines; greedy and seeded lines come out the same
+    # generate: each process runs its own engine (data=2) on its lines; greedy and seeded lines come out the same
     assert (root / "two_gen.jsonl").read_text() == (root / "one_gen.jsonl").read_text()
