@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)  # jax may have configured the root logger already
-    if distributed.initialize(args.coordinator, args.num_processes, args.process_id) and args.speculative_config:
-        print("k3jax.serve: --speculative-config does not run across several processes yet", file=sys.stderr)
-        return 2
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
     enable_compilation_cache()
     path = args.model or default_model_dir()
@@ -104,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, options, tokenizer=load_tokenizer(path))
     if engine.runner.spans_processes and not multihost.is_leader():  # process 0 serves; this one runs its steps
         log.info("process %d follows the steps of process 0", jax.process_index())
-        engine.runner.follow()
+        engine.runner.follow(engine.speculator)
         return 0
     try:
         return _serve(engine, args, path, options, log)

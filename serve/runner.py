@@ -87,8 +87,6 @@ class Runner:
     def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None,
                  taps: TapSpec | None = None):
         self.spans_processes = multihost.spans_processes(model.mesh)  # the leader announces every step
-        if taps is not None and self.spans_processes:
-            raise ValueError("speculative decoding does not run across several processes yet; serve it from one")
         self.model = model
         self.layout = layout
         self.taps = taps  # the hidden states a speculator reads: every step then returns them
@@ -104,25 +102,37 @@ class Runner:
         the tapped hidden states [num_rows, num_tokens, F] or None)."""
         arrays = self._arrays(rows, num_rows, num_tokens)
         if self.spans_processes:
-            multihost.announce(multihost.RUN, num_rows, num_tokens, arrays)
+            multihost.announce(multihost.RUN, *arrays)
         return self._run(arrays)
 
     def _run(self, arrays):
         logits, self.pools, taps = self._call(_step, *arrays)
-        return (multihost.local_copy(logits, self.model.mesh) if self.spans_processes else logits), taps
+        return self._local(logits), taps
 
     def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
         """Like `run` over speculative windows (the last token, then the drafts), without touching the
         KDA slots. Returns (logits [num_rows, window, vocab], taps or None, KDA records for `commit`)."""
-        logits, self.pools, taps, records = self._call(_verify, *self._arrays(rows, num_rows, window))
-        return logits, taps, records
+        arrays = self._arrays(rows, num_rows, window)
+        if self.spans_processes:
+            multihost.announce(multihost.VERIFY, *arrays)
+        return self._verify(arrays)
 
-    def commit(self, records, slots: np.ndarray, accepted, targets: np.ndarray | None = None) -> None:
+    def _verify(self, arrays):
+        logits, self.pools, taps, records = self._call(_verify, *arrays)
+        return self._local(logits), taps, records
+
+    def commit(self, records, slots: np.ndarray, accepted: np.ndarray, targets: np.ndarray | None = None) -> None:
         """After `verify`: each row's KDA slot (or targets[n]) gets the state after its first accepted[n]
         window tokens."""
+        arrays = (slots, np.asarray(accepted, np.int32), slots if targets is None else targets)
+        if self.spans_processes:
+            multihost.announce(multihost.COMMIT, *arrays)
+        self._commit(records, *arrays)
+
+    def _commit(self, records, slots, accepted, targets) -> None:
+        slots, accepted, targets = (multihost.replicated(a, self.model.mesh) for a in (slots, accepted, targets))
         with self._mesh():
-            self.pools = _commit(self.pools, records, jnp.asarray(slots), jnp.asarray(accepted),
-                                 jnp.asarray(slots if targets is None else targets))
+            self.pools = _commit(self.pools, records, slots, accepted, targets)
 
     def _arrays(self, rows, num_rows: int, num_tokens: int):
         tokens = np.zeros((num_rows, num_tokens), np.int32)
@@ -139,37 +149,43 @@ class Runner:
     def copy_slot(self, source: int, target: int) -> None:
         """Copies a KDA slot: a prefix-cache snapshot into a request's slot, or the other way round."""
         if self.spans_processes:
-            multihost.announce(multihost.COPY_SLOT, arrays=(np.array([source, target]),))
+            multihost.announce(multihost.COPY_SLOT, np.array([source, target], np.int32))
         self._copy(source, target)
 
     def _copy(self, source, target) -> None:
         with self._mesh():  # host scalars: valid arguments on a mesh spanning several processes
             self.pools = _copy_slot(self.pools, np.int32(source), np.int32(target))
 
-    def follow(self) -> None:
+    def follow(self, speculator=None) -> None:
         """A follower process of a multi-host server (serve.multihost): runs every step the leader
-        announces, on the same arrays, until the leader stops it."""
+        announces, on the same arrays, until the leader stops it. The draft's steps go to `speculator`,
+        with the hidden states of the last target step."""
+        taps = records = None
         while True:
-            op, arrays = multihost.receive(self._shapes)
+            op, arrays = multihost.receive()
             if op == multihost.STOP:
                 return
             if op == multihost.RUN:
-                self._run(arrays)
+                _, taps = self._run(arrays)
+            elif op == multihost.VERIFY:
+                _, taps, records = self._verify(arrays)
+            elif op == multihost.COMMIT:
+                self._commit(records, *arrays)
             elif op == multihost.COPY_SLOT:
                 self._copy(*arrays[0])
+            elif op in (multihost.OBSERVE, multihost.PROPOSE) and speculator is not None:
+                speculator.follow(op, arrays, taps)
             else:
-                raise RuntimeError(f"the leader announced an unknown step {op}")
+                raise RuntimeError(f"the leader announced a step this process cannot run ({op})")
 
     def stop_followers(self) -> None:
         """Leader: ends the followers' loops (nothing when the mesh is one process's)."""
         if self.spans_processes:
             multihost.announce(multihost.STOP)
 
-    def _shapes(self, op: int, rows: int, tokens: int) -> list[tuple[int, ...]]:
-        """The arrays the leader sends with a step (`run`'s `_arrays`, or copy_slot's two slots)."""
-        if op == multihost.RUN:
-            return [(rows, tokens), (rows,), (rows,), (rows,), (rows, self.page_table_width)]
-        return [(2,)] if op == multihost.COPY_SLOT else []
+    def _local(self, x):
+        """The leader's own copy of a step's output (every process joins in making it)."""
+        return multihost.local_copy(x, self.model.mesh) if self.spans_processes else x
 
     def _mesh(self):
         return jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext()

@@ -20,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.decoder import TapSpec
 from k3jax.model import Structure
+from serve import multihost
 from serve.dspark.draft import init_draft_pages, inject_context, propose, shared_head
 from serve.dspark.loading import load_draft
 from serve.dspark.rejection import draft_keys
@@ -97,22 +99,31 @@ class DSparkSpeculator:
     def bind(self, runner, engine_seed: int) -> None:
         self.page_table_width = runner.page_table_width
         self.engine_seed = engine_seed
-        with self._mesh():
-            self.pages = init_draft_pages(self.cfg, runner.layout.num_pages, runner.layout.page_size,
-                                          self.kv_cache_dtype)
+        self.spans_processes = runner.spans_processes  # the leader announces the draft's steps too
+        make = functools.partial(init_draft_pages, self.cfg, runner.layout.num_pages, runner.layout.page_size,
+                                 self.kv_cache_dtype)
+        self.pages = make() if self.mesh is None else jax.jit(
+            make, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
 
     def observe(self, rows, taps, accepted=None) -> None:
         """rows: (request, position of its first token here, tokens) over the first rows of taps
-        [N, T, F]; `accepted` (device int32 [N]) further limits each row to its accepted tokens."""
+        [N, T, F]; `accepted` (int32 [N]) further limits each row to its accepted tokens."""
         num_rows = taps.shape[0]
         counts = np.zeros(num_rows, np.int32)
         offsets = np.zeros(num_rows, np.int32)
         for i, (_, offset, count) in enumerate(rows):
             counts[i], offsets[i] = count, offset
-        counts = jnp.asarray(counts) if accepted is None else jnp.minimum(jnp.asarray(counts), accepted)
+        if accepted is not None:
+            counts = np.minimum(counts, np.asarray(accepted, np.int32))
+        arrays = (counts, offsets, self._table([r for r, _, _ in rows], num_rows))
+        if self.spans_processes:
+            multihost.announce(multihost.OBSERVE, *arrays)
+        self._observe(taps, *arrays)
+
+    def _observe(self, taps, counts, offsets, table) -> None:
+        counts, offsets, table = (multihost.replicated(a, self.mesh) for a in (counts, offsets, table))
         with self._mesh():
-            self.pages = _inject(self.structure, self.params, self.pages, taps, counts, jnp.asarray(offsets),
-                                 jnp.asarray(self._table([r for r, _, _ in rows], num_rows)))
+            self.pages = _inject(self.structure, self.params, self.pages, taps, counts, offsets, table)
 
     def propose(self, requests, num_rows: int) -> tuple[np.ndarray, object]:
         bonus = np.zeros(num_rows, np.int32)
@@ -122,12 +133,31 @@ class DSparkSpeculator:
         batch = SamplingBatch.from_params([r.params for r in requests], num_rows,
                                           num_generated=[len(r.output) for r in requests],
                                           request_ids=[r.arrival for r in requests], engine_seed=self.engine_seed)
+        arrays = (bonus, positions, self._table(requests, num_rows), *batch)
+        if self.spans_processes:
+            multihost.announce(multihost.PROPOSE, *arrays)
+        drafts, draft_logits = self._propose(*arrays)
+        return np.asarray(drafts)[:len(requests)], draft_logits
+
+    def _propose(self, bonus, positions, table, *batch):
+        """(drafts, draft_logits or None), as the leader's own copies."""
+        bonus, positions, table, *batch = (multihost.replicated(a, self.mesh)
+                                           for a in (bonus, positions, table, *batch))
         with self._mesh():
             drafts, draft_logits, self.pages = _propose(
-                self.structure, self.params, self.pages, jnp.asarray(bonus), jnp.asarray(positions),
-                jnp.asarray(self._table(requests, num_rows)), self.head, jnp.asarray(batch.temperature),
-                draft_keys(batch), not self.probabilistic, self.num_speculative_tokens)
-        return np.asarray(drafts)[:len(requests)], draft_logits if self.probabilistic else None
+                self.structure, self.params, self.pages, bonus, positions, table, self.head, SamplingBatch(*batch),
+                not self.probabilistic, self.num_speculative_tokens)
+        if self.spans_processes:
+            drafts = multihost.local_copy(drafts, self.mesh)
+            draft_logits = multihost.local_copy(draft_logits, self.mesh) if self.probabilistic else None
+        return drafts, draft_logits if self.probabilistic else None
+
+    def follow(self, op: int, arrays: tuple, taps) -> None:
+        """A follower's part in the draft's steps the leader announced (serve.multihost)."""
+        if op == multihost.OBSERVE:
+            self._observe(taps, *arrays)
+        else:
+            self._propose(*arrays)
 
     def warmup(self, num_rows: int, taps) -> None:
         self.observe([], taps)
@@ -149,8 +179,7 @@ def _inject(structure, params, pages, taps, counts, offsets, page_table):
     return inject_context(structure.merge(params), pages, taps, valid, offsets, page_table)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=2)
-def _propose(structure, params, pages, bonus, positions, page_table, head, temperature, keys, greedy_only,
-             num_tokens):
-    return propose(structure.merge(params), pages, bonus, positions, page_table, head, temperature=temperature,
-                   keys=keys, greedy_only=greedy_only, num_tokens=num_tokens)
+@functools.partial(jax.jit, static_argnums=(0, 8, 9), donate_argnums=2)
+def _propose(structure, params, pages, bonus, positions, page_table, head, batch, greedy_only, num_tokens):
+    return propose(structure.merge(params), pages, bonus, positions, page_table, head, temperature=batch.temperature,
+                   keys=draft_keys(batch), greedy_only=greedy_only, num_tokens=num_tokens)
