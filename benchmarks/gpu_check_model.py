@@ -19,7 +19,6 @@ import time
 
 import jax
 import numpy as np
-from flax import nnx
 
 from benchmarks.report import report
 from benchmarks.timing import relative_error
@@ -45,9 +44,9 @@ def config() -> K3Config:
 def make_step():
     """A fresh jit, traced under whatever K3JAX_KERNELS holds at its first call."""
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-    def step(graphdef, params, pools, tokens, lengths, offsets, slots, table):
-        logits, state = nnx.merge(graphdef, params)(tokens, lengths, PagedState(pools, offsets, slots, table),
-                                                    last_only=True)
+    def step(structure, params, pools, tokens, lengths, offsets, slots, table):
+        logits, state = structure.merge(params)(tokens, lengths, PagedState(pools, offsets, slots, table),
+                                                last_only=True)
         return logits, state.layers
     return step
 
@@ -68,7 +67,7 @@ def run(impl: str, model, steps, feed=None):
     for i in range(DECODE + 1):
         fn, kind = (prefill, "prefill") if i == 0 else (decode, "decode")
         start = time.perf_counter()
-        logits, pools = jax.block_until_ready(fn(model.graphdef, model.params, pools, tokens, lengths, offsets,
+        logits, pools = jax.block_until_ready(fn(model.structure, model.params, pools, tokens, lengths, offsets,
                                                  slots, table))
         times[kind].append(time.perf_counter() - start)
         all_logits.append(np.asarray(logits, np.float32))
