@@ -43,6 +43,8 @@ def announce(op: int, *arrays) -> None:
     arrays = [np.asarray(a) for a in arrays]
     header = [op, len(arrays)]
     for a in arrays:
+        if a.dtype not in _DTYPES:
+            raise TypeError(f"step {op}: a {a.dtype} array cannot be announced; use one of {[str(d) for d in _DTYPES]}")
         header += [_DTYPES.index(a.dtype), a.ndim, *a.shape]
     if len(header) > _HEADER:
         raise ValueError(f"step {op}: {len(arrays)} arrays of these ranks do not fit the {_HEADER}-int header")
