@@ -7,6 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test serve bench clean
 
+# benchmarks/compare_transformers.py's reference side (torch + transformers) lives in its own venv inside
+# .venv: the CPU torch wheel at hand (torch 2.13.0+cpu) is built for CPython 3.11 only; PyPI's Linux torch
+# is the CUDA build. Elsewhere: make bench TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_PYTHON_VERSION ?= 3.11
+TORCH_INDEX ?=
+TORCH_PY := $(VENV)/torch/bin/python
+# make bench ONLY=compare_transformers (a comma-separated list; python -m benchmarks.run_all --list)
+ONLY ?=
+
 $(PY):
 	@if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare | grep -qx "$(PYTHON_VERSION)"; then \
 		PYENV_VERSION=$(PYTHON_VERSION) pyenv exec python -m venv $(VENV); \
@@ -27,8 +36,16 @@ test: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m k3jax.serve
 
-bench: $(STAMP)
-	$(PY) -m benchmarks.run_all
+$(TORCH_PY): | $(PY)
+	@v=$$(command -v pyenv >/dev/null 2>&1 && pyenv versions --bare | grep -E '^$(subst .,\.,$(TORCH_PYTHON_VERSION))(\.|$$)' | tail -1); \
+	if [ -n "$$v" ]; then PYENV_VERSION=$$v pyenv exec python -m venv $(VENV)/torch; \
+	elif command -v python$(TORCH_PYTHON_VERSION) >/dev/null 2>&1; then python$(TORCH_PYTHON_VERSION) -m venv $(VENV)/torch; \
+	else echo "the transformers side of make bench needs Python $(TORCH_PYTHON_VERSION) (TORCH_PYTHON_VERSION=...)"; exit 1; fi
+	$(TORCH_PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
+	$(TORCH_PY) -m pip install -q transformers==5.23.0 safetensors numpy
+
+bench: $(STAMP) $(TORCH_PY)
+	K3JAX_TORCH_PYTHON=$(TORCH_PY) $(PY) -m benchmarks.run_all $(if $(ONLY),--only $(ONLY))
 
 clean:
 	rm -rf $(VENV) build *.egg-info
