@@ -11,7 +11,8 @@ same directory with `k3jax.LLM` (i.e. `k3jax.from_pretrained`, whose K3Model the
 
 In one run:
 1. fp32 logits agree (full forward of [2, 64] and 4 greedy cached steps), else the run stops;
-2. the machine's memory bandwidth: a streaming read with jnp (row-sum of a 2 GiB f32 array, median);
+2. the machine's memory bandwidth: a streaming read with jnp (row-sum of a 2 GiB f32 array), 7 runs
+   before the timings and 7 after them, the median of all 14;
 3. prefill T = 512 (batch 1; both return every position's logits), and decode after a 128-token
    prompt at batch 1, 4, 16 and 64: transformers' forward with its DynamicCache against
    K3Model.decode, one greedy token per step (argmax on the device, no host sync inside a round),
@@ -110,10 +111,20 @@ def find_torch_python(explicit: str | None) -> str:
 
 
 class TorchSide:
-    """The transformers worker process: one JSON command per line, one JSON answer per line."""
+    """The transformers worker process: one JSON command per line, one JSON answer per line.
 
-    def __init__(self, python: str):
+    `omp_wait_policy` is the worker's OMP_WAIT_POLICY ("default": unset, libgomp's own). torch's
+    OpenMP threads spin at each barrier by default, and when another process holds one of the two
+    cores a spinning thread waits out whole time slices for the descheduled one: a batch-1 decode
+    step of this model took 0.5-1.6 s instead of about 0.07 s while one other job ran (PASSIVE:
+    0.063-0.077 s, measured side by side). The benchmark's default is PASSIVE; it is recorded."""
+
+    def __init__(self, python: str, omp_wait_policy: str = "PASSIVE"):
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+        if omp_wait_policy == "default":
+            env.pop("OMP_WAIT_POLICY", None)
+        else:
+            env["OMP_WAIT_POLICY"] = omp_wait_policy
         self.proc = subprocess.Popen([python, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      bufsize=1, env=env)
 
@@ -135,9 +146,9 @@ class TorchSide:
 
 
 # ------------------------------------------------------------------------------------------- measurements
-def measure_bandwidth(gib: float, repeats: int = 7) -> dict:
-    """The machine's streaming-read bandwidth as XLA sees it: a row-sum over a [N, 4096] f32 array of
-    `gib` GiB (the read dominates: the output is 1/4096 of it), median (and best) of `repeats`."""
+def measure_bandwidth(gib: float, repeats: int = 7) -> list[float]:
+    """The machine's streaming-read bandwidth as XLA sees it, GB/s of each of `repeats` runs: a row-sum
+    over a [N, 4096] f32 array of `gib` GiB (the read dominates: the output is 1/4096 of it)."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -152,8 +163,7 @@ def measure_bandwidth(gib: float, repeats: int = 7) -> dict:
         times.append(time.perf_counter() - start)
     nbytes = x.nbytes
     del x
-    return {"array_gib": nbytes / 2**30, "repeats": repeats, "gb_per_s": nbytes / np.median(times) / 1e9,
-            "gb_per_s_best": nbytes / min(times) / 1e9}
+    return [nbytes / t / 1e9 for t in times]
 
 
 def decode_step_bytes(model, batch: int, context: int, experts_in_use: float) -> dict:
@@ -246,7 +256,7 @@ def run(args) -> dict:
         log(f"warning: load average {load_start[0]:.1f} on {os.cpu_count()} cores before the run: other work "
             "shares the cores and the figures will be noisy (torch's threads suffer most under oversubscription)")
 
-    torch_side = TorchSide(find_torch_python(args.torch_python))
+    torch_side = TorchSide(find_torch_python(args.torch_python), args.torch_omp_wait_policy)
     own_checkpoint = args.checkpoint is None
     checkpoint = args.checkpoint or tempfile.mkdtemp(prefix="k3jax-compare-")
     scratch = tempfile.mkdtemp(prefix="k3jax-compare-npy-")
@@ -256,13 +266,14 @@ def run(args) -> dict:
                            implementations={"attn_implementation": args.torch_attn,
                                             "experts_implementation": args.torch_experts})
         log(f"  transformers {setup['transformers']}, torch {setup['torch']} (Python {setup['python']}, "
-            f"{setup['threads']} threads), {setup['params'] / 1e6:.1f}M parameters, attention "
+            f"{setup['threads']} threads, OMP_WAIT_POLICY {setup['omp_wait_policy']}), "
+            f"{setup['params'] / 1e6:.1f}M parameters, attention "
             f"{setup['attn_implementation']}, experts {setup['experts_implementation']}; written in "
             f"{setup['write_s']:.1f} s{' (reused)' if setup['reused_checkpoint'] else ''}, loaded in {setup['load_s']:.1f} s")
 
         log(f"memory bandwidth (row-sum over {sizes['bandwidth_gib']} GiB f32) ...")
-        bandwidth = measure_bandwidth(sizes["bandwidth_gib"])
-        log(f"  {bandwidth['gb_per_s']:.1f} GB/s median, {bandwidth['gb_per_s_best']:.1f} best")
+        bandwidth_start = measure_bandwidth(sizes["bandwidth_gib"])
+        log(f"  {np.median(bandwidth_start):.1f} GB/s median, {max(bandwidth_start):.1f} best")
 
         max_len = prompt_len + max(steps, sizes["engine_steps"]) + 8
         start = time.perf_counter()
@@ -356,7 +367,15 @@ def run(args) -> dict:
                 log(f"  LLM.generate decode phase {engine[batch]['tokens_per_s']['median']:.1f} tokens/s, "
                     f"{engine[batch]['vs_model']:.2f} of the bare step")
 
-        # 5. MBU
+        # 5. MBU, against the bandwidth measured before and after the decode runs (the median of both sets:
+        # a neighbour's load changes during the run)
+        bandwidth_end = measure_bandwidth(sizes["bandwidth_gib"])
+        bandwidth = {"array_gib": sizes["bandwidth_gib"], "method": "jnp row-sum of [N, 4096] f32, GB/s per run",
+                     "start": bandwidth_start, "end": bandwidth_end,
+                     "gb_per_s": float(np.median(bandwidth_start + bandwidth_end)),
+                     "gb_per_s_best": float(max(bandwidth_start + bandwidth_end))}
+        log(f"memory bandwidth again: {np.median(bandwidth_end):.1f} GB/s median; MBU uses "
+            f"{bandwidth['gb_per_s']:.1f} (the median of both)")
         mbu = {}
         for batch in batches:
             bytes_ = decode_step_bytes(model, batch, prompt_len + steps // 2, routing[batch]["experts_in_use"])
@@ -442,7 +461,8 @@ def write_results(result: dict, results_dir: str, quick: bool) -> dict:
     payload["meta"].update(commit=git_commit(), cpu=cpu_name(), quick=quick, wall_s=result["wall_s"],
                            loadavg=result["loadavg"],  # 1, 5, 15 minutes, at the start and the end
                            torch=setup["torch"], transformers=setup["transformers"], torch_python=setup["python"],
-                           torch_threads=setup["threads"], attn_implementation=setup["attn_implementation"],
+                           torch_threads=setup["threads"], torch_omp_wait_policy=setup["omp_wait_policy"],
+                           attn_implementation=setup["attn_implementation"],
                            experts_implementation=setup["experts_implementation"])
     detail = {k: result[k] for k in ("sizes", "config", "rounds", "bandwidth", "logits", "prefill", "decode", "engine", "mbu")}
     detail["params"] = setup["params"]
@@ -544,6 +564,9 @@ def main(argv=None) -> None:
                         "config's checkpoint); default: a temporary directory, deleted afterwards")
     parser.add_argument("--torch-python", help="the interpreter with torch and transformers (see the docstring)")
     parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--torch-omp-wait-policy", default=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                        help="OMP_WAIT_POLICY of the transformers worker: PASSIVE (default, unless the "
+                        "environment sets one), ACTIVE, or 'default' for libgomp's own (TorchSide says why)")
     parser.add_argument("--torch-attn", help="transformers' attn_implementation (default: its own, sdpa)")
     parser.add_argument("--torch-experts", help="transformers' experts_implementation (default: its own, grouped_mm)")
     parser.add_argument("--results-dir", help="where the JSON and PNG go (default benchmarks/results; "

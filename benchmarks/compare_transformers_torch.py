@@ -115,7 +115,8 @@ class Worker:
                 "attn_implementation": cfg._attn_implementation,
                 "experts_implementation": getattr(cfg, "_experts_implementation", None),
                 "torch": torch.__version__, "transformers": transformers.__version__,
-                "python": sys.version.split()[0], "threads": torch.get_num_threads()}
+                "python": sys.version.split()[0], "threads": torch.get_num_threads(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}
 
     @torch.inference_mode()
     def logits(self, ids: list, out: str) -> dict:
