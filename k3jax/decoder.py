@@ -1,9 +1,14 @@
-"""The decoder stack: embedding, layers grouped by their repeating pattern and scanned, final read,
-norm and LM head. One forward serves full-sequence, prefill and decode calls (spec section 2).
+"""The decoder stack: embedding, the layers, final read, norm and LM head. One forward serves
+full-sequence, prefill and decode calls (spec section 2).
 
-Layers are grouped into segments: a pattern of (attention, mlp) kinds repeated `repeats` times, with
-the parameters of each pattern position stacked on a leading axis and run under `lax.scan`, so
-compile time follows the number of distinct patterns, not the depth (93 layers for K3).
+Every layer owns its parameters and its caches (no stacked [layers, ...] arrays), and the forward
+runs the layers in a Python loop, so each weight and cache is a buffer of its own that a step reads
+and writes in place. Scanning a stack of layers instead keeps the trace short, but then every step
+slices each layer's weights out of the stack, and XLA materialises those slices: measured on the
+compiled decode step, the whole expert pool of every MoE layer and every dense weight were copied
+on each step, on XLA:CPU (dynamic- and static-slice fusions) and on an H200 (async dynamic-slice
+fusions feeding the Pallas and cuBLAS calls). `tests/k3jax/test_decode_hlo.py` holds the step to
+no such copy. The price is compile time that grows with depth (see benchmarks/decode_compile_time.py).
 """
 
 from __future__ import annotations
@@ -22,53 +27,6 @@ from k3jax.layers.ffn import MoE, GatedMLP
 from k3jax.layers.kda import KDACache, KimiDeltaAttention, Recorded
 from k3jax.layers.mla import MLACache, MLAPages, MultiHeadLatentAttention
 
-MAX_PATTERN = 8  # the longest repeating unit searched for
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    start: int  # first layer index
-    kinds: tuple[tuple[str, str], ...]  # (attention, mlp) kind of each pattern position
-    repeats: int
-
-    def layer_index(self, position: int, repeat: int) -> int:
-        return self.start + repeat * len(self.kinds) + position
-
-
-def plan_segments(cfg: K3Config) -> tuple[Segment, ...]:
-    """Greedy cover of the layer kinds by repeated patterns (longest coverage first, then shortest pattern).
-
-    K3's 93 layers become [dense KDA] + 22 x [KDA, KDA, MLA, KDA] + 2 x [KDA] + 2 x [MLA].
-    """
-    kinds = cfg.layer_kinds()
-    segments, i = [], 0
-    while i < len(kinds):
-        best = (1, 1)  # (period, repeats)
-        for period in range(1, MAX_PATTERN + 1):
-            unit = kinds[i:i + period]
-            if len(unit) < period:
-                break
-            repeats = 1
-            while kinds[i + repeats * period:i + (repeats + 1) * period] == unit:
-                repeats += 1
-            if repeats > 1 and period * repeats > best[0] * best[1]:
-                best = (period, repeats)
-        period, repeats = best
-        segments.append(Segment(i, kinds[i:i + period], repeats))
-        i += period * repeats
-    return _merge_singletons(segments)
-
-
-def _merge_singletons(segments: list[Segment]) -> tuple[Segment, ...]:
-    """Adjacent unrepeated layers become one unrepeated segment (one trace either way, fewer scans)."""
-    merged: list[Segment] = []
-    for seg in segments:
-        if merged and seg.repeats == 1 and merged[-1].repeats == 1:
-            prev = merged.pop()
-            seg = Segment(prev.start, prev.kinds + seg.kinds, 1)
-        merged.append(seg)
-    return tuple(merged)
-
 
 class Batch(NamedTuple):
     """Per-call metadata: which of the T new tokens are real, and where each sequence starts. With
@@ -83,17 +41,17 @@ class Batch(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-    """Caches for every layer, grouped like the segments (stacked [repeats, ...]), and sequence lengths."""
+    """Every layer's cache, in layer order, and the sequence lengths."""
 
-    layers: tuple  # per segment: tuple over pattern positions of KDACache | MLACache
+    layers: tuple  # per layer: KDACache | MLACache
     lengths: jax.Array  # [B] int32
 
 
 class PagedState(NamedTuple):
-    """The serving engine's cache pools, grouped like the segments, and where this call's rows live:
-    KDA states in slots (`KDACache` with a leading slot axis), MLA rows in pages (`MLAPages`)."""
+    """The serving engine's cache pools, in layer order, and where this call's rows live: KDA states
+    in slots (`KDACache` with a leading slot axis), MLA rows in pages (`MLAPages`)."""
 
-    layers: tuple  # per segment: tuple over pattern positions of KDACache (pools) | MLAPages
+    layers: tuple  # per layer: KDACache (a slot pool) | MLAPages
     offsets: jax.Array  # [B] int32: tokens of each row already in the cache
     slots: jax.Array  # [B] int32
     page_table: jax.Array  # [B, max_pages] int32
@@ -123,19 +81,10 @@ class TapSpec:
 
 class Aux(NamedTuple):
     """Extra outputs of a forward: the tapped hidden states [B, T, len(layers) * H] (activation dtype)
-    and, in a verify step, the KDA records grouped like the segments (None at MLA positions)."""
+    and, in a verify step, the KDA records in layer order (None at MLA layers)."""
 
     taps: jax.Array | None
     records: tuple | None
-
-
-def _record_tap(buffer, layers, layer_index, value):
-    """Stores value [B, T, H] as the tap of `layer_index` in buffer [len(layers) + 1, B, T, H]; a layer
-    that is not tapped writes the last (scratch) row, so the update is one in-place slice write."""
-    layers = jnp.asarray(layers, jnp.int32)
-    hits = layers == layer_index
-    row = jnp.where(jnp.any(hits), jnp.argmax(hits), layers.shape[0])
-    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), row, axis=0)
 
 
 def _residual_sum(stream):
@@ -162,7 +111,7 @@ class DecoderLayer(nnx.Module):
         else:
             self.block_sparse_moe = MoE(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, stream, layer_index, cache, batch: Batch):
+    def __call__(self, stream, layer_index: int, cache, batch: Batch):
         """Returns (stream, cache, the pre-norm input of the attention: the AttnRes mixture or the stream)."""
         cfg = self.cfg
         dtype = self.input_layernorm.weight.dtype
@@ -186,35 +135,14 @@ class DecoderLayer(nnx.Module):
         return stream, cache, mix
 
 
-class SegmentLayers(nnx.Module):
-    """The layers of one segment: one module per pattern position, parameters stacked over repeats."""
-
-    def __init__(self, cfg: K3Config, segment: Segment, *, dtype, rngs):
-        self.layers = nnx.List([_stacked(cfg, attn, mlp, segment.repeats, dtype, rngs) for attn, mlp in segment.kinds])
-
-
-def _stacked(cfg, attn, mlp, repeats, dtype, rngs):
-    copies = [DecoderLayer(cfg, attn, mlp, dtype=dtype, rngs=rngs) for _ in range(repeats)]
-    graphdef, first = nnx.split(copies[0])
-    states = [first] + [nnx.split(m)[1] for m in copies[1:]]
-
-    def stack(*variables):
-        v = variables[0]
-        return v.replace(jnp.stack([u[...] for u in variables]), logical_axes=("layers",) + v.logical_axes)
-
-    stacked = jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge(graphdef, stacked)
-
-
 class K3Transformer(nnx.Module):
     """The text decoder as an NNX module; use it functionally through `forward` (caches live outside)."""
 
     def __init__(self, cfg: K3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         h = cfg.hidden_size
         self.cfg = cfg
-        self.plan = plan_segments(cfg)
         self.embed_tokens = param(rngs, (cfg.vocab_size, h), ("vocab", "embed"), dtype, stddev=1.0)
-        self.segments = nnx.List([SegmentLayers(cfg, seg, dtype=dtype, rngs=rngs) for seg in self.plan])
+        self.layers = nnx.List([DecoderLayer(cfg, attn, mlp, dtype=dtype, rngs=rngs) for attn, mlp in cfg.layer_kinds()])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         if cfg.attn_res:
             self.output_attn_res = attn_res.AttnResQuery(h, dtype=dtype, rngs=rngs)
@@ -245,17 +173,22 @@ class K3Transformer(nnx.Module):
             batch = Batch(valid, lengths, cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32))
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
         stream = attn_res.start_stream(x, cfg.num_attn_res_blocks) if cfg.attn_res else x
-        tapped = None if taps is None else jnp.zeros((len(taps.layers) + 1, b, t, x.shape[-1]), x.dtype)
-        new_layers = []
-        for seg, layers, seg_cache in zip(self.plan, self.segments, cache.layers if cache else [None] * len(self.plan)):
-            (stream, tapped), seg_cache = _run_segment(seg, layers, (stream, tapped), seg_cache, batch, taps)
-            new_layers.append(seg_cache)
+        tapped = {}  # layer index -> its tap [B, T, H]
+        layer_caches = cache.layers if cache is not None else (None,) * len(self.layers)
+        new_caches = []
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, layer_caches)):
+            stream, layer_cache, mix = layer(stream, i, layer_cache, batch)
+            new_caches.append(layer_cache)
+            if taps is not None and taps.kind == "residual_sum":
+                tapped[i] = _residual_sum(stream)
+            elif taps is not None:  # this layer's attention input is the previous layer's tap
+                tapped[i - 1] = mix
         if cfg.attn_res:
             h = attn_res.final_read(stream, self.output_attn_res, cfg.rms_norm_eps).astype(x.dtype)
         else:
             h = stream
         if taps is not None and taps.kind == "next_mixture":  # the last layer's tap is the output read
-            tapped = _record_tap(tapped, taps.layers, cfg.num_hidden_layers - 1, h)
+            tapped[cfg.num_hidden_layers - 1] = h
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
         h = self.norm(h)
@@ -269,68 +202,29 @@ class K3Transformer(nnx.Module):
         if taps is not None or record:
             records = None
             if record:  # split the KDA records from the pools
-                split = lambda c, i: (c[i] if isinstance(c, Recorded) else (c, None)[i])  # noqa: E731
-                records = tuple(tuple(split(c, 1) for c in seg) for seg in new_layers)
-                new_layers = [tuple(split(c, 0) for c in seg) for seg in new_layers]
+                records = tuple(c.record if isinstance(c, Recorded) else None for c in new_caches)
+                new_caches = [c.pool if isinstance(c, Recorded) else c for c in new_caches]
             tap_rows = None
-            if taps is not None:  # [taps, B, T, H] -> [B, T, taps * H], in the order of taps.layers
-                tap_rows = jnp.moveaxis(tapped[:-1], 0, 2).reshape(b, t, -1)
+            if taps is not None:  # [B, T, taps * H], in the order of taps.layers
+                tap_rows = jnp.concatenate([tapped[i].astype(x.dtype) for i in taps.layers], axis=-1)
             aux = Aux(tap_rows, records)
         if isinstance(cache, PagedState):
-            out = logits, cache._replace(layers=tuple(new_layers))
+            out = logits, cache._replace(layers=tuple(new_caches))
         else:
-            out = logits, DecodeState(tuple(new_layers), batch.offsets + lengths) if cache is not None else None
+            out = logits, DecodeState(tuple(new_caches), batch.offsets + lengths) if cache is not None else None
         return out if aux is None else (*out, aux)
-
-
-def _run_segment(seg: Segment, layers: SegmentLayers, carry, seg_cache, batch: Batch, taps: TapSpec | None):
-    """carry: (stream, tap buffer or None)."""
-    graphdef, state = nnx.split(layers.layers)
-    period = len(seg.kinds)
-    first_index = seg.start + period * jnp.arange(seg.repeats, dtype=jnp.int32)
-
-    def body(carry, xs):
-        stream, tapped = carry
-        state_r, cache_r, base = xs
-        stacked = nnx.merge(graphdef, state_r)
-        caches = []
-        for j, layer in enumerate(stacked):
-            stream, c, mix = layer(stream, base + j, cache_r[j] if cache_r is not None else None, batch)
-            if taps is not None and taps.kind == "residual_sum":
-                tapped = _record_tap(tapped, taps.layers, base + j, _residual_sum(stream))
-            elif taps is not None:  # this layer's attention input is the previous layer's tap
-                tapped = _record_tap(tapped, taps.layers, base + j - 1, mix)
-            caches.append(c)
-        return (stream, tapped), tuple(caches) if cache_r is not None else None
-
-    if seg.repeats == 1:  # no scan for a single repeat: slice the stacked axis away
-        take = lambda a: a[0]  # noqa: E731
-        carry, out = body(carry, jax.tree.map(take, (state, seg_cache, first_index)))
-        return carry, jax.tree.map(lambda a: a[None], out)
-    return jax.lax.scan(body, carry, (state, seg_cache, first_index))
 
 
 def init_cache(cfg: K3Config, batch: int, max_len: int, dtype) -> DecodeState:
     """Empty caches for `batch` sequences of at most `max_len` tokens."""
-    layers = []
-    for seg in plan_segments(cfg):
-        caches = []
-        for attn, _ in seg.kinds:
-            one = KDACache.zeros(cfg, batch, dtype) if attn == KDA else MLACache.zeros(cfg, batch, max_len, dtype)
-            caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (seg.repeats, *a.shape)), one))
-        layers.append(tuple(caches))
-    return DecodeState(tuple(layers), jnp.zeros((batch,), jnp.int32))
+    layers = tuple(KDACache.zeros(cfg, batch, dtype) if attn == KDA else MLACache.zeros(cfg, batch, max_len, dtype)
+                   for attn, _ in cfg.layer_kinds())
+    return DecodeState(layers, jnp.zeros((batch,), jnp.int32))
 
 
 def init_pools(cfg: K3Config, *, num_slots: int, num_pages: int, page_size: int, dtype, kv_cache_dtype=None) -> tuple:
     """Empty cache pools for `PagedState.layers`: `num_slots` KDA state slots and `num_pages` MLA pages
     of `page_size` tokens per layer (slot 0 and page 0 are the null slot and page)."""
-    layers = []
-    for seg in plan_segments(cfg):
-        caches = []
-        for attn, _ in seg.kinds:
-            one = (KDACache.zeros(cfg, num_slots, dtype) if attn == KDA
-                   else MLAPages.zeros(cfg, num_pages, page_size, kv_cache_dtype or dtype))
-            caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (seg.repeats, *a.shape)), one))
-        layers.append(tuple(caches))
-    return tuple(layers)
+    return tuple(KDACache.zeros(cfg, num_slots, dtype) if attn == KDA
+                 else MLAPages.zeros(cfg, num_pages, page_size, kv_cache_dtype or dtype)
+                 for attn, _ in cfg.layer_kinds())

@@ -3,13 +3,11 @@
 Accepts a Hugging Face directory as published (safetensors, one file or shards) or a directory
 written by `python -m convert` (Orbax, one item per layer). The model is built abstractly (nothing
 allocated), then filled one decoder layer at a time: each layer's arrays are placed on the devices
-and written into their slot of the stacked segment parameters in place, so host memory holds about
-one layer and device memory never holds a segment twice.
+as its own parameters, so host memory holds about one layer.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -22,7 +20,7 @@ from convert.hf_params import HfParams
 from convert.orbax_params import OrbaxParams, is_converted
 from convert.reader import CheckpointError
 from k3jax.config import K3Config
-from k3jax.decoder import K3Transformer, plan_segments
+from k3jax.decoder import K3Transformer
 from k3jax.model import K3Model, resolve_dtype
 from k3jax.placement import check_mesh
 from sharding.axes import named_sharding
@@ -48,13 +46,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> 
         check_mesh(cfg, mesh)
 
     values = {}
-    _fill(values, targets, (), source.model(_row_shardings(targets, (), mesh, stacked=False)), mesh)
-    for s, seg in enumerate(plan_segments(cfg)):
-        for j in range(len(seg.kinds)):
-            prefix = ("segments", s, "layers", j)
-            shardings = _row_shardings(targets, prefix, mesh, stacked=True)
-            for r in range(seg.repeats):
-                _fill(values, targets, prefix, source.layer(seg.layer_index(j, r), shardings), mesh, r)
+    _fill(values, targets, (), source.model(_shardings(targets, (), mesh)), mesh)
+    for i in range(cfg.num_hidden_layers):
+        prefix = ("layers", i)
+        _fill(values, targets, prefix, source.layer(i, _shardings(targets, prefix, mesh)), mesh)
     source.check_unused()
     missing = sorted(".".join(map(str, p)) for p in targets if p not in values)
     if missing:
@@ -63,38 +58,29 @@ def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> 
     return K3Model(cfg, graphdef, params, mesh)
 
 
-def _fill(values: dict, targets: dict, prefix: tuple, arrays: dict, mesh, row: int | None = None):
-    """Places `arrays` (paths relative to `prefix`) into `values`, as row `row` of stacked parameters when given."""
-    placed = {}
+def _fill(values: dict, targets: dict, prefix: tuple, arrays: dict, mesh):
+    """Places `arrays` (paths relative to `prefix`) into `values` with their parameters' dtype and sharding."""
     for rel, array in arrays.items():
         path = prefix + rel
         if path not in targets:
             raise CheckpointError(f"checkpoint array {'.'.join(map(str, path))} fills no parameter of this model")
-        target = targets[path].get_value()
-        shape = target.shape if row is None else target.shape[1:]
+        target = targets[path]
+        shape = target.get_value().shape
         if tuple(array.shape) != tuple(shape):
             raise CheckpointError(f"{'.'.join(map(str, path))}: the checkpoint gives shape {tuple(array.shape)}, "
                                   f"the model needs {tuple(shape)}")
-        axes = targets[path].logical_axes if row is None else targets[path].logical_axes[1:]
-        placed[path] = _place(array, target.dtype, _sharding(mesh, axes, shape))
-    if row is None:
-        values.update(placed)
-        return
-    if row == 0:  # first layer of the segment position: allocate the stacked parameters once
-        values.update(_zeros({p: targets[p] for p in placed}, mesh))
-    stacked = _set_rows({p: values[p] for p in placed}, row, placed)
-    values.update(stacked)
+        values[path] = _place(array, target.get_value().dtype, _sharding(mesh, target.logical_axes, shape))
 
 
-def _row_shardings(targets: dict, prefix: tuple, mesh, stacked: bool) -> dict | None:
-    """Sharding of each array a source returns under `prefix` (one layer's row when stacked)."""
+def _shardings(targets: dict, prefix: tuple, mesh) -> dict | None:
+    """Sharding of each array a source returns under `prefix`: () the model's own (embedding, norm,
+    head), ("layers", i) one layer's."""
     if mesh is None:
         return None
     out = {}
     for path, v in targets.items():
-        if path[:len(prefix)] == prefix and (path[0] == "segments") == stacked:
-            shape, axes = v.get_value().shape, v.logical_axes
-            out[path[len(prefix):]] = _sharding(mesh, axes[1:], shape[1:]) if stacked else _sharding(mesh, axes, shape)
+        if path[:len(prefix)] == prefix and (prefix or path[0] != "layers"):
+            out[path[len(prefix):]] = _sharding(mesh, v.logical_axes, v.get_value().shape)
     return out
 
 
@@ -111,18 +97,3 @@ def _place(array, dtype, sharding):
     if sharding is None:
         return jax.device_put(host)  # jnp.asarray would compile a staging op per shape
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])  # per-device slices
-
-
-def _zeros(variables: dict, mesh):
-    shapes = {p: (v.get_value().shape, v.get_value().dtype) for p, v in variables.items()}
-    shardings = {p: _sharding(mesh, v.logical_axes, shapes[p][0]) for p, v in variables.items()}
-    make = jax.jit(lambda: {p: jnp.zeros(shape, dtype) for p, (shape, dtype) in shapes.items()},
-                   out_shardings=shardings if mesh is not None else None)
-    return make()
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_rows(stacked: dict, r, rows: dict):
-    """Writes one layer into row r of every stacked parameter, in place (the buffers are donated)."""
-    return {p: jax.lax.dynamic_update_index_in_dim(stacked[p], rows[p].astype(stacked[p].dtype), r, axis=0)
-            for p in stacked}

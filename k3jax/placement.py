@@ -15,14 +15,14 @@ from k3jax.layers.mla import MLACache, MLAPages
 from sharding.axes import named_sharding
 
 CACHE_AXES = {  # per-sequence caches (`DecodeState`): sequences split over `data` like the batch
-    KDACache: KDACache(conv=("layers", "batch", "conv_tap", "qkv", "cache_channels"),
-                       state=("layers", "batch", "cache_heads", "head_dim", "head_dim")),
-    MLACache: MLACache(latent=("layers", "batch", "sequence", "cache_width")),
+    KDACache: KDACache(conv=("batch", "conv_tap", "qkv", "cache_channels"),
+                       state=("batch", "cache_heads", "head_dim", "head_dim")),
+    MLACache: MLACache(latent=("batch", "sequence", "cache_width")),
 }
 POOL_AXES = {  # the serving engine's pools: any row may use any slot or page, so every data group holds them all
-    KDACache: KDACache(conv=("layers", "slots", "conv_tap", "qkv", "cache_channels"),
-                       state=("layers", "slots", "cache_heads", "head_dim", "head_dim")),
-    MLAPages: MLAPages(pages=("layers", "pages", "page_rows", "cache_width"), scale=("layers",)),
+    KDACache: KDACache(conv=("slots", "conv_tap", "qkv", "cache_channels"),
+                       state=("slots", "cache_heads", "head_dim", "head_dim")),
+    MLAPages: MLAPages(pages=("pages", "page_rows", "cache_width"), scale=()),
 }
 
 
@@ -71,9 +71,5 @@ def pool_shardings(pools: tuple, mesh: Mesh) -> tuple:
 
 
 def _layer_shardings(layers: tuple, table: dict, mesh: Mesh) -> tuple:
-    """Shardings of per-segment layer caches, each array's logical axes taken from `table`."""
-
-    def layer(c):
-        return type(c)(*(named_sharding(a, x.shape, mesh) for a, x in zip(table[type(c)], c)))
-
-    return tuple(tuple(layer(c) for c in seg) for seg in layers)
+    """Shardings of the per-layer caches, each array's logical axes taken from `table`."""
+    return tuple(type(c)(*(named_sharding(a, x.shape, mesh) for a, x in zip(table[type(c)], c))) for c in layers)

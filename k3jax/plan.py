@@ -48,9 +48,8 @@ def plan(cfg: K3Config, mesh_spec: str, *, dtype: str = "bfloat16", device_bytes
         """Per-device bytes of one sequence's caches (one sequence per data shard)."""
         cache = jax.eval_shape(lambda: init_cache(cfg, sizes["data"], tokens, resolve_dtype(dtype)))
         total = 0.0
-        for seg in cache.layers:
-            for c in seg:
-                total += sum(_per_device_bytes(x.shape, x.dtype, a, mesh) for x, a in zip(c, CACHE_AXES[type(c)]))
+        for c in cache.layers:
+            total += sum(_per_device_bytes(x.shape, x.dtype, a, mesh) for x, a in zip(c, CACHE_AXES[type(c)]))
         return total
 
     kda_state = cache_bytes(1) - (cache_bytes(2) - cache_bytes(1))  # the length-independent part

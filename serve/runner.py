@@ -64,21 +64,15 @@ def _verify(structure, params, pools, tokens, lengths, offsets, slots, page_tabl
 @functools.partial(jax.jit, donate_argnums=0)
 def _commit(pools, records, slots, accepted, targets):
     """Folds the first accepted[n] window tokens of each row's slot into slot targets[n] (every KDA layer)."""
-    def commit(pool, record):
-        if record is None:
-            return pool
-        return jax.vmap(commit_record, in_axes=(0, 0, None, None, None))(pool, record, slots, accepted, targets)
-    return tuple(tuple(commit(p, r) for p, r in zip(seg, seg_records)) for seg, seg_records in zip(pools, records))
+    return tuple(pool if record is None else commit_record(pool, record, slots, accepted, targets)
+                 for pool, record in zip(pools, records))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_slot(pools, source, target):
     """Copies one KDA slot (state and conv window, every layer) to another; MLA pages are untouched."""
-    def copy(pool):
-        if isinstance(pool, KDACache):
-            return jax.tree.map(lambda a: a.at[:, target].set(a[:, source]), pool)
-        return pool
-    return tuple(tuple(copy(c) for c in seg) for seg in pools)
+    return tuple(jax.tree.map(lambda a: a.at[target].set(a[source]), pool) if isinstance(pool, KDACache) else pool
+                 for pool in pools)
 
 
 class Runner:

@@ -31,7 +31,6 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "expert_mlp": (),
     "expert_embed": (),
     "norm": (),
-    "layers": (),
     # caches and activations
     "batch": ("data",),
     "cache_heads": ("model",),  # KDA recurrent state by head

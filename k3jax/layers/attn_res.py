@@ -2,8 +2,8 @@
 
 Per token the stream is (bank, p, d): the bank holds the embedding and one sum per closed block of
 `attn_res_block_size` layers, p is the running sum of the open block and d the last FFN output not
-yet added to p (spec section 2.2). The bank has a fixed number of rows so every layer has the same
-shapes and the layer stack can be scanned; rows not written yet are masked out of the softmax.
+yet added to p (spec section 2.2). The bank has a fixed number of rows, written in place as blocks
+close; a read mixes the rows written so far (`layer_index` is a Python int, so which rows is static).
 """
 
 from __future__ import annotations
@@ -49,26 +49,24 @@ def start_stream(embeddings, num_blocks: int) -> AttnResStream:
     return AttnResStream(jnp.zeros((b, t, num_blocks, h), embeddings.dtype), embeddings, zeros)
 
 
-def attention_read(stream: AttnResStream, layer_index, block_size: int, read: AttnResQuery, eps: float):
+def attention_read(stream: AttnResStream, layer_index: int, block_size: int, read: AttnResQuery, eps: float):
     """Step 1 of a layer: fold d into p, write the bank row at block starts, mix for attention.
 
     Returns (stream, mixture). The read sees the bank rows that existed before this layer's write
     plus p, so a freshly written row is not counted twice.
     """
     p = (stream.p + stream.d).astype(stream.p.dtype)  # bf16 rounding after every add, as vLLM
-    rows_before = (layer_index + block_size - 1) // block_size
-    is_write = layer_index % block_size == 0
-    written = jax.lax.dynamic_update_index_in_dim(stream.bank, p, rows_before, axis=2)
-    bank = jnp.where(is_write, written, stream.bank)
+    rows_before = -(-layer_index // block_size)
+    bank = stream.bank.at[:, :, rows_before].set(p) if layer_index % block_size == 0 else stream.bank
     mixture = read.mix(stream.bank, rows_before, p, eps)
     return AttnResStream(bank, p, stream.d), mixture
 
 
-def ffn_read(stream: AttnResStream, attn_out, layer_index, block_size: int, read: AttnResQuery, eps: float):
+def ffn_read(stream: AttnResStream, attn_out, layer_index: int, block_size: int, read: AttnResQuery, eps: float):
     """Step 3: add the attention output to the open block (restarting it at block starts), mix for the FFN."""
     is_write = layer_index % block_size == 0
-    p = jnp.where(is_write, attn_out, (stream.p + attn_out).astype(stream.p.dtype))
-    rows = (layer_index + block_size - 1) // block_size + is_write.astype(jnp.int32)
+    p = attn_out.astype(stream.p.dtype) if is_write else (stream.p + attn_out).astype(stream.p.dtype)
+    rows = -(-layer_index // block_size) + int(is_write)
     mixture = read.mix(stream.bank, rows, p, eps)
     return AttnResStream(stream.bank, p, stream.d), mixture
 

@@ -61,7 +61,7 @@ def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, val
     """Same contract as reference.paged_decode_attention; gathers kv_block tokens of pages at a time,
     never the whole context."""
     page_size = pages.shape[1]
-    pages_per_block = max(1, kv_block // page_size)
+    pages_per_block = min(max(1, kv_block // page_size), page_table.shape[1])
     table = jnp.pad(page_table, ((0, 0), (0, -page_table.shape[1] % pages_per_block)))  # pad with page 0
     table = table.reshape(table.shape[0], -1, pages_per_block)
     dequant = 1.0 if kv_scale is None else jnp.asarray(kv_scale, jnp.float32)
@@ -111,12 +111,14 @@ def _contiguous_blocks(k, v, kv_block):
 
 def _online_softmax(q, lo, hi, scale, blocks, scores, mix):
     """Flash-attention recurrence over key blocks; query t of row b sees keys lo[b, t] <= s < hi[b, t].
-    Returns [B, H, T, Dv] float32."""
+    Returns [B, H, T, Dv] float32. Only the blocks up to the furthest key any query sees are visited:
+    the serving engine's page tables span max_model_len, most of it unused by a short context."""
     n_blocks, kv_block, load = blocks
     b, t, h = q.shape[:3]
     dv = jax.eval_shape(lambda: mix(jnp.zeros((b, h, t, kv_block), jnp.float32), load(0)[1])).shape[-1]
+    needed = jnp.clip((jnp.max(hi) + kv_block - 1) // kv_block, 0, n_blocks)
 
-    def step(carry, index):
+    def step(index, carry):
         peak, total, acc = carry
         k_blk, v_blk = load(index)
         s = index * kv_block + jnp.arange(kv_block)
@@ -128,9 +130,9 @@ def _online_softmax(q, lo, hi, scale, blocks, scores, mix):
         rescale = jnp.exp(jnp.where(jnp.isfinite(peak), peak - safe_peak, -jnp.inf))
         total = total * rescale + jnp.sum(p, axis=-1)
         acc = acc * rescale[..., None] + mix(p, v_blk)
-        return (new_peak, total, acc), None
+        return new_peak, total, acc
 
     init = (jnp.full((b, h, t), -jnp.inf, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
             jnp.zeros((b, h, t, dv), jnp.float32))
-    (_, total, acc), _ = jax.lax.scan(step, init, jnp.arange(n_blocks))
+    _, total, acc = jax.lax.fori_loop(0, needed, step, init)
     return acc / jnp.where(total > 0, total, 1.0)[..., None]

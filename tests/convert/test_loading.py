@@ -10,7 +10,6 @@ from safetensors.numpy import load_file, save_file
 import k3jax
 from convert import layout, synth
 from convert.reader import CheckpointError
-from k3jax.decoder import plan_segments
 from tests.k3jax.tiny_configs import KIMI_LINEAR_TINY, k3_tiny_dict
 
 
@@ -22,16 +21,11 @@ def k3_dir(tmp_path_factory):
 
 
 def _param(model, layer, *path):
-    """A layer's parameter value, found through the segment plan."""
-    for s, seg in enumerate(plan_segments(model.config)):
-        for j in range(len(seg.kinds)):
-            for r in range(seg.repeats):
-                if seg.layer_index(j, r) == layer:
-                    node = model.params["segments"][s]["layers"][j]
-                    for p in path:
-                        node = node[p]
-                    return np.asarray(node[...])[r]
-    raise KeyError(layer)
+    """A layer's parameter value."""
+    node = model.params["layers"][layer]
+    for p in path:
+        node = node[p]
+    return np.asarray(node[...])
 
 
 def test_synthetic_k3_checkpoint_has_the_published_layout(k3_dir):
@@ -67,7 +61,7 @@ def test_k3_checkpoint_loads_and_places_every_tensor(k3_dir):
                                   tensors[f"{p}6.self_attn.k_conv1d.weight"][:, 0, :].T)
     np.testing.assert_array_equal(_param(model, 4, "mlp_res", "proj"),
                                   tensors[f"{p}4.mlp_res_proj.weight"].astype(np.float32)[0])
-    assert model.params["segments"][1]["layers"][0]["block_sparse_moe"]["experts"]["w1"]["packed"][...].dtype == \
+    assert model.params["layers"][1]["block_sparse_moe"]["experts"]["w1"]["packed"][...].dtype == \
         np.uint8  # experts stay MXFP4
 
 

@@ -105,5 +105,7 @@ def test_pallas_kernels_per_shard_match_the_xla_paths(xla_run, monkeypatch):
     got, got_sequences = run_steps(sharded, garbage_pools(model.config, jnp.float32))
     assert got_sequences == want_sequences
     for g, w in zip(got, want):
-        # fp32 on both sides; the kernels sum in other orders (blocked dots, split pages)
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+        # fp32 on both sides, summed in other orders (the kernels' blocked dots and split pages, and
+        # one row per data shard: XLA:CPU's one-row products round unlike its two-row ones); through
+        # ten random layers and six steps that reaches 3.4e-5 of the largest logit (measured)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())

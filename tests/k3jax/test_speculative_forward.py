@@ -46,7 +46,7 @@ def _call(model, pools, rows, **kw):
 
 
 def _kda_pools(layers):
-    return [c for seg in layers for c in seg if isinstance(c, KDACache)]
+    return [c for c in layers if isinstance(c, KDACache)]
 
 
 def test_commit_after_a_verify_window_equals_decoding_the_accepted_tokens(model):
@@ -64,9 +64,8 @@ def test_commit_after_a_verify_window_equals_decoding_the_accepted_tokens(model)
     for before, after in zip(_kda_pools(prefilled), _kda_pools(verified.layers)):  # the slots are untouched
         np.testing.assert_array_equal(np.asarray(before.state), np.asarray(after.state))
     slots = jnp.array([1, 2], jnp.int32)
-    committed = [jax.vmap(commit_record, in_axes=(0, 0, None, None))(pool, record, slots, jnp.asarray(accepted))
-                 for seg_pools, seg_records in zip(verified.layers, aux.records)
-                 for pool, record in zip(seg_pools, seg_records) if record is not None]
+    committed = [commit_record(pool, record, slots, jnp.asarray(accepted))
+                 for pool, record in zip(verified.layers, aux.records) if record is not None]
 
     decoded = prefilled  # the reference: one plain decode step per accepted token
     for i, (prompt, window) in enumerate(zip(prompts, windows)):
@@ -80,18 +79,17 @@ def test_commit_after_a_verify_window_equals_decoding_the_accepted_tokens(model)
     # given equal layer inputs they agree to fp32 rounding (the next test).
     for got, want in zip(committed, _kda_pools(decoded)):
         for slot in (1, 2):
-            np.testing.assert_allclose(np.asarray(got.state[:, slot]), np.asarray(want.state[:, slot]),
+            np.testing.assert_allclose(np.asarray(got.state[slot]), np.asarray(want.state[slot]),
                                        rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(np.asarray(got.conv[:, slot]), np.asarray(want.conv[:, slot]),
+            np.testing.assert_allclose(np.asarray(got.conv[slot]), np.asarray(want.conv[slot]),
                                        rtol=1e-4, atol=1e-4)
 
 
 def test_commit_is_a_token_by_token_decode_of_the_same_layer_inputs(model):
     cfg = model.config
     module = nnx.merge(model.graphdef, model.params)
-    segment = next(i for i, seg in enumerate(module.plan) if seg.kinds[0][0] == "kda")
-    graphdef, state = nnx.split(module.segments[segment].layers[0].self_attn)
-    layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))  # the first KDA layer
+    first_kda = next(i for i, (attn, _) in enumerate(cfg.layer_kinds()) if attn == "kda")
+    layer = module.layers[first_kda].self_attn
     rng = np.random.default_rng(2)
     window, rows = 6, 3
     x = jnp.asarray(rng.standard_normal((rows, window, cfg.hidden_size)), jnp.float32)
@@ -121,8 +119,8 @@ def test_commit_is_a_token_by_token_decode_of_the_same_layer_inputs(model):
 
 
 def _layer_by_layer(model, tokens):
-    """Each decoder layer called on its own (no scan, no taps): the residual stream and the attention
-    input after every layer, and the final read."""
+    """Each decoder layer called on its own (no taps): the residual stream and the attention input
+    after every layer, and the final read."""
     cfg = model.config
     module = nnx.merge(model.graphdef, model.params)
     b, t = tokens.shape
@@ -130,17 +128,13 @@ def _layer_by_layer(model, tokens):
     x = jnp.take(module.embed_tokens[...], tokens, axis=0)
     stream = attn_res.start_stream(x, cfg.num_attn_res_blocks) if cfg.attn_res else x
     residual, attention_input = [], []
-    for seg, layers in zip(module.plan, module.segments):
-        graphdef, state = nnx.split(layers.layers)
-        for r in range(seg.repeats):
-            stacked = nnx.merge(graphdef, jax.tree.map(lambda a: a[r], state))
-            for j, layer in enumerate(stacked):
-                stream, _, mix = layer(stream, jnp.int32(seg.layer_index(j, r)), None, batch)
-                attention_input.append(mix)
-                if cfg.attn_res:
-                    residual.append(stream.bank.sum(axis=2) + stream.p + stream.d)
-                else:
-                    residual.append(stream)
+    for i, layer in enumerate(module.layers):
+        stream, _, mix = layer(stream, i, None, batch)
+        attention_input.append(mix)
+        if cfg.attn_res:
+            residual.append(stream.bank.sum(axis=2) + stream.p + stream.d)
+        else:
+            residual.append(stream)
     final = attn_res.final_read(stream, module.output_attn_res, cfg.rms_norm_eps) if cfg.attn_res else stream
     return residual, attention_input[1:] + [final]
 
