@@ -1,5 +1,7 @@
 """Compile time of the one-token decode step: the full 93-layer K3 layer pattern at tiny widths vs
-a 12-layer model of the same widths. Scanning the repeated layer pattern keeps these close.
+a 12-layer model of the same widths. The layers run unrolled (each owns its weights: a scan over
+stacked weights copied them on every step, see k3jax/decoder.py), so compile time grows with depth:
+measured 4.2 s and 51 s on 2 CPU cores (12.1x), against 3.4 s and 3.9 s when the layers were scanned.
 
     python -m benchmarks.decode_compile_time
 """
