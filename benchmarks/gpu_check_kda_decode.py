@@ -82,9 +82,12 @@ def median_us_per_step(impls, args):
 
 
 def check(impl, expected_impl, args, o_tolerance=1e-2, state_tolerance=1e-5):
-    """One step of impl against expected_impl on copies of the pools; returns (o error, state error)."""
-    results = [kda_decode(*args[:2], jnp.copy(args[2]), *args[3:7], jnp.copy(args[7]), args[8],
-                          gate_lower_bound=GATE, impl=name) for name in (impl, expected_impl)]
+    """One step of impl against expected_impl on copies of the pools; returns (o error, state error).
+    Each step is jitted: run op by op, the XLA path compiled each of its primitives on its own, which
+    took the first GPU run past the check's 60 s bound before it printed a row."""
+    results = [jax.jit(lambda *a, name=name: kda_decode(*a, gate_lower_bound=GATE, impl=name))(
+                   *args[:2], jnp.copy(args[2]), *args[3:7], jnp.copy(args[7]), args[8])
+               for name in (impl, expected_impl)]
     (o, conv, state), (ref_o, ref_conv, ref_state) = results
     # o is bf16 (a rounding step is 2^-8 of a value); states are fp32 from exact fp32 products on both
     # paths, so only the order of summation differs; the conv windows are copies of bf16 rows.
@@ -111,6 +114,7 @@ def main() -> None:
             rows.append({"N": n, "T": t, "pallas_us": pallas_us, "xla_us": xla_us, "pallas/xla": pallas_us / xla_us,
                          "MB": step_bytes(n, t) / 1e6, "pallas_TB/s": tbps, "frac_peak": tbps / PEAK_TBPS,
                          "xla_TB/s": step_bytes(n, t) / xla_us / 1e6, "o_err": o_err, "state_err": s_err})
+            print(rows[-1], flush=True)  # a partial table survives the script's time bound
     report("gpu_check_kda_decode", rows,
            note=f"H={HEADS} K=V={DIM} W={WIDTH}, bf16 activations and conv pool, fp32 states, pools donated; "
                 f"per step over {STEPS} chained steps, median of {REPEATS}; frac_peak of {PEAK_TBPS} TB/s")
