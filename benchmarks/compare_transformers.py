@@ -1,6 +1,6 @@
 """k3jax against Hugging Face transformers on the same Kimi Linear weights, side by side (issue 20).
 
-    python -m benchmarks.compare_transformers              # the full run, about 10-15 minutes on 2 cores
+    python -m benchmarks.compare_transformers              # the full run: 16 minutes on 2 shared cores
     python -m benchmarks.compare_transformers --quick      # a small model and sizes: a 1-2 minute smoke run
 
 The model is Kimi-Linear-shaped, fp32, about 474M parameters: hidden 1024, 8 layers in the 3:1
@@ -140,9 +140,13 @@ class TorchSide:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
 
 
 # ------------------------------------------------------------------------------------------- measurements
@@ -251,6 +255,7 @@ def run(args) -> dict:
     batches, engine_batches = sizes["batches"], sizes["engine_batches"]
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     t_start = time.perf_counter()
+    commit = git_commit()  # at the start: others may commit while the run goes on
     load_start = os.getloadavg()
     if load_start[0] > 0.5 * (os.cpu_count() or 1):
         log(f"warning: load average {load_start[0]:.1f} on {os.cpu_count()} cores before the run: other work "
@@ -326,7 +331,7 @@ def run(args) -> dict:
         for batch in batches:
             log(f"decode batch {batch} (prompt {prompt_len}, {steps} steps a round) ...")
             batch_ids = prompts[:batch]
-            prep = torch_side("prepare", ids=batch_ids.tolist())
+            torch_side("prepare", ids=batch_ids.tolist())
             k3 = K3Decode(model, batch_ids, max_len)
             routing[batch] = torch_side("routing", batch=batch, steps=min(steps, 4))
             k3.run(2)
@@ -355,8 +360,7 @@ def run(args) -> dict:
                     runs["engine"].append(batch * sizes["engine_steps"] / (full - one))
             torch_side("drop", batch=batch)
             del k3
-            decode[batch] = {"transformers": summary(runs["transformers"]), "k3jax": summary(runs["k3jax"]),
-                             "prefill_s": {"transformers": prep["seconds"]}}
+            decode[batch] = {"transformers": summary(runs["transformers"]), "k3jax": summary(runs["k3jax"])}
             log(f"  tokens/s: transformers {decode[batch]['transformers']['median']:.1f}, "
                 f"k3jax {decode[batch]['k3jax']['median']:.1f}; experts in use per MoE layer "
                 f"{routing[batch]['experts_in_use']:.1f} of {cfg['num_local_experts']}")
@@ -393,7 +397,7 @@ def run(args) -> dict:
     return dict(sizes={k: v for k, v in sizes.items() if k != "config"}, config=cfg, rounds=rounds, setup=setup,
                 bandwidth=bandwidth, logits={"full_forward": forward_error, "cached_decode": decode_error},
                 prefill={k: summary(v) for k, v in prefill.items()}, decode=decode, engine=engine, mbu=mbu,
-                wall_s=time.perf_counter() - t_start, loadavg={"start": load_start, "end": os.getloadavg()})
+                wall_s=time.perf_counter() - t_start, commit=commit, loadavg={"start": load_start, "end": os.getloadavg()})
 
 
 # ---------------------------------------------------------------------------------------------- reporting
@@ -458,7 +462,7 @@ def write_results(result: dict, results_dir: str, quick: bool) -> dict:
     }
     with open(path) as f:
         payload = json.load(f)
-    payload["meta"].update(commit=git_commit(), cpu=cpu_name(), quick=quick, wall_s=result["wall_s"],
+    payload["meta"].update(commit=result["commit"], cpu=cpu_name(), quick=quick, wall_s=result["wall_s"],
                            loadavg=result["loadavg"],  # 1, 5, 15 minutes, at the start and the end
                            torch=setup["torch"], transformers=setup["transformers"], torch_python=setup["python"],
                            torch_threads=setup["threads"], torch_omp_wait_policy=setup["omp_wait_policy"],
@@ -477,6 +481,7 @@ def write_results(result: dict, results_dir: str, quick: bool) -> dict:
 
 def plot(result: dict, path: str, meta: dict) -> None:
     import matplotlib  # noqa: PLC0415
+    import matplotlib.ticker  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -501,6 +506,8 @@ def plot(result: dict, path: str, meta: dict) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(batches, [str(b) for b in batches])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_xlabel("batch size (sequences decoding together)")
     ax.set_ylabel("decode tokens/s (all sequences)")
     ax.set_title(f"{result['setup']['params'] / 1e6:.0f}M Kimi Linear, fp32, prompt {result['sizes']['prompt']} "
@@ -533,7 +540,9 @@ def readme_row(payload: dict) -> str:
 
     prefill = payload["prefill"]
     m1 = mbu.get(1) or mbu.get("1")
-    cells = [meta["date"], f"`{meta['commit']}`", f"{meta['cpu_count']} x {meta['cpu']}",
+    load = meta["loadavg"]
+    cells = [meta["date"], f"`{meta['commit']}`",
+             f"{meta['cpu_count']} x {meta['cpu']}; load {load['start'][0]:.1f} before, {load['end'][0]:.1f} after",
              f"{payload['bandwidth']['gb_per_s']:.1f}",
              f"{prefill['transformers']['median']:.0f} / {prefill['k3jax']['median']:.0f} "
              f"({payload['prefill_speedup']:.2f}x)",
