@@ -74,7 +74,12 @@ def _ragged_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
 
 def _tile_rows(m: int, num_experts: int) -> int:
     """Rows per tile: the power of two (8..512) at or above the mean group size, at most m. Each
-    non-empty group wastes less than one tile, so this keeps the waste near the useful work."""
+    non-empty group wastes less than one tile, so this keeps the waste near the useful work. With no
+    more rows than experts (decode), one row: XLA:CPU runs a one-row product against the [out, in]
+    weight as a matrix-vector product, and a 4-row tile of one real row took 1.7x as long (4 routed
+    rows over 32 experts of 512 x 1024, fp32: 4.7 against 2.8 ms)."""
+    if m <= num_experts:
+        return 1
     mean = -(-m // num_experts)
     return min(m, max(8, min(512, 1 << (mean - 1).bit_length())))
 
