@@ -13,6 +13,7 @@ from pallas_kernels.moe import Mxfp4Tensor, expert_ffn, moe_ffn
 from sharding.axes import LOGICAL_AXES, partition_spec
 from sharding.expert_parallel import expert_parallel_moe
 from sharding.mesh import make_mesh, parse_mesh
+from tests.agreement import Referee
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 16, reason="needs the 16 fake CPU devices of tests/conftest.py")
 
@@ -56,23 +57,61 @@ def test_every_parameter_follows_the_table(reference):
     assert experts.addressable_shards[0].data.shape[0] == 1
 
 
+@pytest.fixture(scope="module")
+def referee(reference):
+    return Referee(reference)
+
+
+def greedy(model, prompt, steps=32, feed=None):
+    """Prefill + `steps` decode steps: (tokens [B, steps], their logits [B, steps, V]); the greedy
+    tokens, or `feed`'s (teacher forcing)."""
+    logits, cache = model.prefill(prompt, max_len=prompt.shape[1] + steps)
+    rows = [np.asarray(logits)[:, -1]]
+    tokens = []
+    for i in range(steps):
+        tokens.append(rows[-1].argmax(-1) if feed is None else feed[:, i])
+        if i + 1 < steps:
+            step, cache = model.decode(tokens[-1], cache)
+            rows.append(np.asarray(step))
+    return np.stack(tokens, 1), np.stack(rows, 1)
+
+
 @pytest.mark.parametrize("mesh", ["8x2", "2x8", "4x4"])
-def test_sharded_logits_and_decode_match_one_device(reference, mesh):
+def test_sharded_logits_and_greedy_decode_match_one_device(referee, mesh):
+    """fp32 on a mesh: TP/EP change only the order of partial sums. The full forward's logits, and 32
+    greedy tokens (prefill + decode) with their logits, are the one-device reference's within fp32's
+    tolerance (tests/agreement.py: teacher-forced, under the router choices that explain the run;
+    measured differences stay below 6e-5 of the largest logit)."""
+    model = K3Model.random(referee.model.config, dtype="float32", seed=0, mesh=mesh)
     ids = np.random.default_rng(1).integers(0, 512, (8, 10), dtype=np.int32)
-    want = reference.logits(ids)
-    model = K3Model.random(reference.config, dtype="float32", seed=0, mesh=mesh)
-    # fp32; TP/EP/DP change only the order of partial sums (no router top-k margin of these inputs is
-    # below 4.8e-5, far above fp32 rounding of the scores, so no expert choice flips), amplified over
-    # 10 random layers: measured 1.2-2.0e-5 relative as a whole (Frobenius) and at most 9.3e-5 of the
-    # largest logit on one row (the same on 2x1, where each device runs whole rows)
     got = model.logits(ids)
-    assert np.linalg.norm(got - want) <= 5e-5 * np.linalg.norm(want)
-    scale = np.abs(want).max()
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * scale)
-    _, cache = model.prefill(ids[:, :7], max_len=12)
-    for t in range(7, 10):
-        step, cache = model.decode(ids[:, t], cache)
-        np.testing.assert_allclose(np.asarray(step), want[:, t], rtol=0, atol=2e-4 * scale)
+    for row, logits in zip(ids, got):
+        referee.check_logits(row, logits, what=f"{mesh} full forward")
+    prompt = np.random.default_rng(0).integers(0, 512, (8, 6), dtype=np.int32)
+    tokens, logits = greedy(model, prompt)
+    referee.check_all(prompt, tokens, what=f"{mesh} greedy row")
+    for row, out, steps in zip(prompt, tokens, logits):
+        referee.check_logits(list(row) + list(out[:-1]), steps, positions=np.arange(5, 5 + len(out)),
+                             what=f"{mesh} decode")
+
+
+def test_bf16_teacher_forced_logits_agree_across_meshes():
+    """bf16 on a mesh against bf16 on one device, fed the same tokens (the one device's greedy ones).
+
+    Greedy runs are not compared (issue 19): bf16 rounds at 2^-9 and ten random layers amplify rounding
+    ~2^10 at a single logit (fp32 paths differ by up to 1e-4 of the largest), so bf16 paths part at
+    their first near-tie, router or logit (measured: 11 to 46 of 256 greedy tokens differ); the fp32
+    test above checks greedy identity across meshes. In the norm rounding is amplified ~2^8 (fp32
+    meshes: 1.2-2e-5 of the logits' norm), so bf16 meshes stay within 2^-9 x 2^8 = 2^-1 of it, router
+    flips included (measured 0.05 to 0.15). A smoke check at bf16's resolution: a mesh that loses or
+    misplaces a shard's part is off by ~1 (sqrt 2 for unrelated logits)."""
+    cfg = K3Config.from_preset("k3-tiny")
+    prompt = np.random.default_rng(0).integers(0, 512, (8, 6), dtype=np.int32)
+    tokens, want = greedy(K3Model.random(cfg, dtype="bfloat16", seed=0), prompt)
+    assert want.dtype == np.float32 and len(np.unique(tokens)) > 32
+    for mesh in ("8x2", "2x8", "4x4"):
+        _, got = greedy(K3Model.random(cfg, dtype="bfloat16", seed=0, mesh=mesh), prompt, feed=tokens)
+        assert np.linalg.norm(got - want) <= 2.0 ** -1 * np.linalg.norm(want), mesh
 
 
 def _experts(cfg, seed):
@@ -105,24 +144,3 @@ def test_expert_parallel_moe_equals_single_device(everyone_to_device):
     ffn = lambda rows, sizes, *ws: expert_ffn(rows, sizes, *ws, activation=act)  # noqa: E731
     got = jax.jit(lambda *a: expert_parallel_moe(ffn, *a[:3], a[3:], mesh=mesh))(x, ids, w, *weights)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_bf16_greedy_runs_agree_across_meshes():
-    """bf16: 32 greedy tokens for 8 prompts are the same on every mesh as on one device."""
-    cfg = K3Config.from_preset("k3-tiny")
-    prompt = np.random.default_rng(0).integers(0, 512, (8, 6), dtype=np.int32)
-
-    def greedy(model, steps=32):
-        logits, cache = model.prefill(prompt, max_len=prompt.shape[1] + steps)
-        token = np.asarray(logits)[:, -1].argmax(-1)
-        tokens = [token]
-        for _ in range(steps - 1):
-            step, cache = model.decode(token, cache)
-            token = np.asarray(step).argmax(-1)
-            tokens.append(token)
-        return np.stack(tokens, 1)
-
-    want = greedy(K3Model.random(cfg, dtype="bfloat16", seed=0))
-    for mesh in ("8x2", "2x8", "4x4"):
-        np.testing.assert_array_equal(greedy(K3Model.random(cfg, dtype="bfloat16", seed=0, mesh=mesh)), want,
-                                      err_msg=mesh)
