@@ -32,6 +32,7 @@ BENCHMARKS = (
     "engine_fp8_agreement",
     "convert_throughput",
     "serve_load",
+    "cold_start",
 )
 
 

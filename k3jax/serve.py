@@ -1,7 +1,9 @@
 """`python -m k3jax.serve`: the OpenAI-compatible server (flags named as vLLM's where the concept is
 the same). Without `--model` it serves the embedded k3-tiny, written on first use, so a new
-machine needs nothing but this command. It loads the model, compiles every step shape, binds the
-port and prints the URL; from then on requests are answered.
+machine needs nothing but this command. It loads the model, compiles the step shapes a first request
+needs, binds the port and prints the URL; from then on requests are answered, while the other step
+shapes compile in the background (compiled programs persist in the compilation cache, so a restart
+loads them instead).
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(engine: Engine, args, path: str, options: EngineOptions, log) -> int:
     log.info("compiling the engine's step shapes (%s)", dataclasses.asdict(options))
-    engine.warmup()
+    # What a first request needs compiles now; the other shapes compile behind the open port.
+    engine.warmup(background=True, log=lambda done, total: log.info("compiled %d of %d step shapes", done, total))
 
     config = ServerConfig(model_name=args.served_model_name or args.model or DEFAULT_MODEL, model_path=path,
                           api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -166,19 +168,47 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def warmup(self) -> None:
+    def warmup(self, *, background: bool = False, log=None) -> threading.Thread | None:
         """Compiles every step shape the engine can run (padding rows only: the pools' real entries stay
-        untouched), so nothing compiles while serving."""
+        untouched), so nothing compiles while serving.
+
+        With `background`, only what a first request needs (one decode row, one prefill row of the
+        shortest chunk) compiles before this returns; the other shapes of a plain engine compile on a
+        daemon thread, returned, which lowers and compiles them without running a step, so the engine
+        may serve meanwhile (a request that needs a shape not compiled yet compiles it in its step).
+        A speculative engine always warms in full. `log(done, total)` reports progress."""
+        shapes = [(rows, 1) for rows in self.decode_rows]
+        shapes += [(rows, tokens) for rows in self.prefill_rows for tokens in self.prefill_tokens]
+        first = [(self.decode_rows[0], 1), (self.prefill_rows[0], self.prefill_tokens[0])]
+        now = first if background and self.speculator is None else shapes
         if self.prefix_cache is not None:
             self.runner.copy_slot(0, 0)
-        for num_rows in self.decode_rows:
-            if self.speculator is None:
-                self._warm(num_rows, 1)
-            else:
+        for done, (num_rows, num_tokens) in enumerate(now, 1):
+            if num_tokens == 1 and self.speculator is not None:
                 speculation.warm_verify(self, num_rows)
-        for num_rows in self.prefill_rows:
-            for num_tokens in self.prefill_tokens:
+            else:
                 self._warm(num_rows, num_tokens)
+            if log is not None:
+                log(done, len(shapes))
+        rest = [shape for shape in shapes if shape not in now]
+        if not rest:
+            return None
+        thread = threading.Thread(target=self._compile_ahead, args=(rest, len(now), len(shapes), log),
+                                  name="compile-ahead", daemon=True)
+        thread.start()
+        return thread
+
+    def _compile_ahead(self, shapes, done: int, total: int, log) -> None:
+        samplers = {rows for rows, _ in shapes} - {self.decode_rows[0], self.prefill_rows[0]}
+        for num_rows, num_tokens in shapes:
+            self.runner.compile(num_rows, num_tokens)
+            if num_rows in samplers:
+                samplers.discard(num_rows)
+                for params in sampling.VARIANTS:
+                    self._sampler_inputs([(0, Request("warmup", [0], params, -1))], num_rows).compile()
+            done += 1
+            if log is not None:
+                log(done, total)
 
     def reset_prefix_cache(self) -> None:
         """Drops every cached page and snapshot no running request uses."""
@@ -252,17 +282,8 @@ class Engine:
     def _sample(self, logits, ready) -> list[tuple[int, dict | None]]:
         """Samples the next token of each ready row (row index, request); the logits' other rows are padding.
         Returns (token, its logprobs entry or None) per ready row."""
-        num_rows, vocab = logits.shape
-        params: list = [None] * num_rows
-        generated, ids = [0] * num_rows, [0] * num_rows
-        for i, request in ready:
-            params[i], generated[i], ids[i] = request.params, len(request.output), request.arrival
-        batch = sampling.SamplingBatch.from_params(params, num_rows, num_generated=generated, request_ids=ids,
-                                                   eos_token_ids=sorted(self.eos_ids), engine_seed=self.options.seed)
-        counts, prompt_mask = self._penalty_inputs(ready, num_rows, vocab)
+        result = self._sampler_inputs(ready, logits.shape[0])(logits)
         wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
-        result = sampling.sample(logits, batch, counts, prompt_mask,
-                                 num_logprobs=sampling.MAX_LOGPROBS if wants_logprobs else 0)
         tokens = np.asarray(result.tokens)
         entries = [None] * len(ready)
         if wants_logprobs:
@@ -270,6 +291,19 @@ class Engine:
             entries = [sampling.logprobs_entry(r.params.logprobs, tokens[i], chosen[i], top_ids[i], top[i])
                        for i, r in ready]
         return [(int(tokens[i]), entry) for (i, _), entry in zip(ready, entries)]
+
+    def _sampler_inputs(self, ready, num_rows: int) -> "_Sampler":
+        """The sampler's inputs for the ready rows of a [num_rows, vocab] step."""
+        params: list = [None] * num_rows
+        generated, ids = [0] * num_rows, [0] * num_rows
+        for i, request in ready:
+            params[i], generated[i], ids[i] = request.params, len(request.output), request.arrival
+        batch = sampling.SamplingBatch.from_params(params, num_rows, num_generated=generated, request_ids=ids,
+                                                   eos_token_ids=sorted(self.eos_ids), engine_seed=self.options.seed)
+        counts, prompt_mask = self._penalty_inputs(ready, num_rows, self.model.config.vocab_size)
+        wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
+        return _Sampler(batch, counts, prompt_mask, sampling.MAX_LOGPROBS if wants_logprobs else 0,
+                        self.model.config.vocab_size)
 
     def _penalty_inputs(self, ready, num_rows: int, vocab: int):
         """Output-token counts and prompt masks [num_rows, vocab] (zero rows for requests without a
@@ -327,6 +361,25 @@ class Engine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         return ids
+
+
+@dataclasses.dataclass
+class _Sampler:
+    """`sampling.sample` with one step's inputs bound: called on the logits, or compiled ahead."""
+
+    batch: sampling.SamplingBatch
+    counts: np.ndarray | None
+    prompt_mask: np.ndarray | None
+    num_logprobs: int
+    vocab_size: int
+
+    def __call__(self, logits):
+        return sampling.sample(logits, self.batch, self.counts, self.prompt_mask, num_logprobs=self.num_logprobs)
+
+    def compile(self) -> None:
+        logits = jax.ShapeDtypeStruct((self.batch.temperature.shape[0], self.vocab_size), jnp.float32)
+        sampling.sample.lower(logits, self.batch, self.counts, self.prompt_mask,
+                              num_logprobs=self.num_logprobs).compile()
 
 
 class _Text:

@@ -88,6 +88,9 @@ class Runner:
         make = functools.partial(init_pools, model.config, num_slots=layout.num_slots, num_pages=layout.num_pages,
                                  page_size=layout.page_size, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
         self.pools = make() if model.mesh is None else jax.jit(make, out_shardings=self._pool_shardings(make))()
+        # What `compile` lowers against: the pools' shapes and shardings, never their (donated) buffers.
+        self._pool_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                        self.pools)
         self.num_data = 1 if model.mesh is None else model.mesh.shape["data"]  # row counts must be its multiples
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int):
@@ -102,6 +105,13 @@ class Runner:
     def _run(self, arrays):
         logits, self.pools, taps = self._call(_step, *arrays)
         return self._local(logits), taps
+
+    def compile(self, num_rows: int, num_tokens: int) -> None:
+        """Compiles the step of [num_rows, num_tokens] without running it. Lowering fills jit's caches,
+        so the first real step of that shape only dispatches; it reads the pools' shapes, not their
+        buffers, so another thread may run steps meanwhile."""
+        arrays = self._arrays([], num_rows, num_tokens)
+        self._call(_step, *arrays, pools=self._pool_specs, compile_only=True)
 
     def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
         """Like `run` over speculative windows (the last token, then the drafts), without touching the
@@ -184,14 +194,15 @@ class Runner:
     def _mesh(self):
         return jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext()
 
-    def _call(self, fn, *arrays):
+    def _call(self, fn, *arrays, pools=None, compile_only: bool = False):
         model = self.model
         if model.mesh is None:
             arrays = map(jnp.asarray, arrays)
         else:  # rows over data
             arrays = (put(a, NamedSharding(model.mesh, PartitionSpec("data"))) for a in arrays)
+        args = (model.structure, model.params, self.pools if pools is None else pools, *arrays, self.taps)
         with self._mesh():
-            return fn(model.structure, model.params, self.pools, *arrays, self.taps)
+            return fn.lower(*args).compile() if compile_only else fn(*args)
 
     def _pool_shardings(self, make):
         return pool_shardings(jax.eval_shape(make), self.model.mesh)

@@ -157,6 +157,34 @@ def test_no_compilation_after_warmup(engine):
     assert ids and compiles.count == 0
 
 
+def test_background_warmup_compiles_every_shape_while_the_engine_serves(model):
+    """warmup(background=True) compiles the first request's shapes, then the rest on a thread that
+    runs no step: requests served meanwhile get the reference tokens, and once the thread is done
+    nothing compiles. (Options unlike the module engine's: none of these shapes is compiled yet.)"""
+    engine = Engine(model, EngineOptions(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=24,
+                                         max_prefill_chunk=16, max_prefill_rows=2, block_size=8))
+    progress = []
+    thread = engine.warmup(background=True, log=lambda done, total: progress.append((done, total)))
+    total = len(engine.decode_rows) + len(engine.prefill_rows) * len(engine.prefill_tokens)
+    assert thread is not None and progress[-1] == (2, total)
+    prompts, max_tokens = workload(7, 4)
+    got = run_all(engine, prompts, max_tokens)
+    thread.join()
+    assert progress[-1] == (total, total)
+    for prompt, n, tokens in zip(prompts, max_tokens, got):
+        assert tokens == reference_greedy(model, prompt, n)
+    with CountCompiles() as compiles:
+        prompts, max_tokens = workload(8, 8, lengths=(1, 40))
+        params = [SamplingParams(temperature=0.7 * (i % 2), max_tokens=n, logprobs=2 if i % 3 else None,
+                                 repetition_penalty=1.2 if i % 4 == 0 else 1.0) for i, n in enumerate(max_tokens)]
+        for p, sp in zip(prompts, params):
+            engine.add_request(p, sp)
+        while engine.has_unfinished():
+            engine.step()
+    assert compiles.count == 0
+    assert_pool_full(engine)
+
+
 def test_mesh_with_data_groups_matches_each_run_alone(model, referee):
     """--mesh 2x2 (model 2 x data 2): rows split over data (every row count a multiple of 2), heads
     over model, the pools held whole by each data group. Chunked prefills beside decodes give the
