@@ -12,7 +12,9 @@ routed to the same experts (`with_fixed_routing`: otherwise bf16 rounding flips 
 random weights, and the first GPU run saw the two bf16 paths 0.1 of the largest logit apart). What
 the check holds the kernels to is the fp32 reference: their error from it may not exceed twice the
 XLA paths' plus 1% of the largest logit.
-Reports both errors, greedy agreement with the reference, and the step times side by side.
+Reports both errors, greedy agreement with the reference, the step times side by side, and the
+largest buffer each path's compiled decode step materialises, which for the kernels may not exceed
+one expert's weight (no copy of a weight, tests/k3jax/test_decode_hlo.py on the real backend).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from benchmarks.report import report
 from benchmarks.timing import relative_error
 from k3jax.config import K3Config
 from k3jax.decoder import PagedState, init_pools
+from k3jax.hlo import materialised_buffers
 from k3jax.model import K3Model
 from k3jax.presets import PRESETS
 from pallas_kernels import dispatch
@@ -83,6 +86,19 @@ def run(impl: str, model, steps, feed=None):
     return all_logits, times
 
 
+def largest_decode_buffer(impl: str, model, decode) -> int:
+    """Bytes of the largest buffer the compiled decode step (K3JAX_KERNELS=impl) materialises outside
+    fused computations (k3jax.hlo): a copy of a weight would be one."""
+    os.environ[dispatch.ENV] = impl
+    cfg = model.config
+    pages_per_row = -(-(PROMPT + DECODE) // PAGE)
+    pools = init_pools(cfg, num_slots=ROWS + 1, num_pages=ROWS * pages_per_row + 1, page_size=PAGE, dtype=model.dtype)
+    ints = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    text = decode.lower(model.structure, model.params, pools, ints(ROWS, 1), ints(ROWS) + 1, ints(ROWS) + PROMPT,
+                        ints(ROWS) + 1, ints(ROWS, pages_per_row)).compile().as_text()
+    return max(b.bytes for b in materialised_buffers(text))
+
+
 def with_fixed_routing(model: K3Model) -> K3Model:
     """Every token routed to the same experts: the router's correction bias (which steers selection,
     not the weights) puts expert e ahead of e + 1 by more than any score differs. With score-driven
@@ -131,8 +147,15 @@ def main() -> None:
                                                                                 logits["xla"][span])),
                      "pallas_agree": agree["pallas"], "xla_agree": agree["xla"]})
         print(rows[-1], flush=True)
+    # One expert's [F, D] weight in bf16: what the issue allows a decode step to materialise.
+    bound = 2 * model.config.moe_intermediate_size * model.config.moe_input_size
+    largest = {impl: largest_decode_buffer(impl, model, steps[impl][1]) for impl in steps}
+    for row in rows:
+        row.update(largest_decode_MB_pallas=largest["pallas"] / 1e6, largest_decode_MB_xla=largest["xla"] / 1e6,
+                   one_expert_MB=bound / 1e6)
     report("gpu_check_model", rows, note=f"K3 TP8 slice, 4 layers, 32 experts, bf16; page {PAGE}; errors "
                                          "against the same weights in fp32, decode teacher-forced on its tokens")
+    assert largest["pallas"] <= bound, f"the kernels' decode step materialises {largest['pallas'] / 1e6:.1f} MB"
     for row in rows:
         assert row["pallas_err"] <= 2 * row["xla_err"] + 0.01, \
             f"{row['step']}: the kernels' logits are {row['pallas_err']:.3g} of the largest from fp32, the XLA " \
