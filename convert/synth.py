@@ -51,8 +51,12 @@ def synthetic_tensor(name: str, rule: layout.Rule, rng: np.random.Generator) -> 
 
 
 def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int = 0,
-                     shard_bytes: int | None = None) -> K3Config:
-    """Writes config.json and safetensors (sharded with an index when shard_bytes is given)."""
+                     shard_bytes: int | None = None, fixed_routing: bool = False) -> K3Config:
+    """Writes config.json and safetensors (sharded with an index when shard_bytes is given).
+
+    fixed_routing: router correction biases E, E - 1, ..., 1, so every token takes the same experts by
+    margins of 1, where random scores differ by less: two numeric paths then never route apart (for
+    tests that compare paths by value; random routers have near-ties that rounding flips)."""
     cfg = K3Config.from_hf_dict(hf_config)
     total = layout.checkpoint_bytes(cfg)
     if total > MAX_SYNTHETIC_BYTES:
@@ -61,6 +65,8 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng(seed)
     tensors = ((n, synthetic_tensor(n, r, rng)) for n, r in layout.all_tensors(cfg).items())
+    if fixed_routing:
+        tensors = ((n, _fixed_bias(t) if n.endswith("e_score_correction_bias") else t) for n, t in tensors)
     if cfg.model_type == "kimi_k3":
         tensors = itertools.chain(tensors, vision_tensors(cfg, rng).items())
     _save_shards(out_dir, tensors, shard_bytes)
@@ -68,6 +74,10 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
         json.dump(hf_config, f, indent=2)
     write_tokenizer(out_dir, cfg)
     return cfg
+
+
+def _fixed_bias(bias: np.ndarray) -> np.ndarray:
+    return np.arange(bias.shape[-1], 0, -1).astype(bias.dtype)
 
 
 def write_draft_checkpoint(out_dir: str | os.PathLike, draft_config: dict, *, seed: int = 0,

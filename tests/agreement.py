@@ -370,6 +370,11 @@ class Referee:
 
         return self._tokens_check(prompt, output, logprobs, allowed_at, what)
 
+    def check_logprobs(self, prompt, output, logprobs, what="output") -> Certificate:
+        """`output`: tokens some path chose after `prompt` by a rule not checked here (e.g. speculative
+        rejection sampling); their logprobs entries must be the reference's, teacher-forced."""
+        return self._tokens_check(prompt, output, logprobs, lambda run, i, row: range(len(row)), what)
+
     def check_logits(self, tokens, got, positions=None, what="logits", tol: float | None = None) -> Certificate:
         """got [len(positions), V]: a path's logits at `positions` (default all) of `tokens` equal the
         reference's within `tol` (default the dtype's) of the largest |logit|."""
@@ -390,6 +395,45 @@ class Referee:
         run = self.follow(tokens, mismatch, what)
         unchecked = int((positions >= self.unchecked_from(run)).sum())
         return Certificate(run, len(positions) - unchecked, unchecked)
+
+    def check_loglikelihood(self, context, continuation, loglikelihood, is_greedy=None,
+                            what="request") -> Certificate:
+        """A path's log-likelihood of `continuation` after `context` (the sum of its tokens' logprobs)
+        is the reference's within len(continuation) logprob tolerances, and its `is_greedy` (every
+        continuation token the argmax) the reference's unless a continuation token is within the
+        tolerance of the best (then the verdict is counted as skipped, not asserted)."""
+        context, continuation = [int(t) for t in context], [int(t) for t in continuation]
+        tokens = context + continuation
+        at = np.arange(len(context) - 1, len(tokens) - 1)  # position t - 1 scores token t
+
+        def verdict(run):
+            """(the reference's is_greedy, whether every path within the tolerance gives the same)."""
+            slack = 2 * self.tol.logits * np.abs(run.logits).max()
+            rows = run.logits[at].astype(np.float64)
+            chosen = rows[np.arange(len(at)), continuation]
+            rivals = np.where(np.arange(rows.shape[1]) == np.asarray(continuation)[:, None], -np.inf, rows).max(-1)
+            if np.any(chosen < rivals - slack):  # some token surely not the argmax
+                return False, True
+            return bool(np.all(chosen > rivals)), bool(np.all(chosen > rivals + slack))
+
+        def mismatch(run):
+            if at[-1] >= self.unchecked_from(run):
+                return None
+            rows = run.logits[at].astype(np.float64)
+            logp = rows - rows.max(-1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            want = float(logp[np.arange(len(at)), continuation].sum())
+            bound = len(at) * 2 * self.tol.logits * np.abs(run.logits).max()
+            if abs(loglikelihood - want) > bound:
+                return int(at[0]), f"log-likelihood {loglikelihood:.6f}, the reference's {want:.6f} (bound {bound:.2g})"
+            greedy, sure = verdict(run)
+            if is_greedy is not None and sure and bool(is_greedy) != greedy:
+                return int(at[0]), f"is_greedy {is_greedy}, the reference's {greedy}"
+            return None
+
+        run = self.follow(tokens, mismatch, what)
+        certain = at[-1] < self.unchecked_from(run) and (is_greedy is None or verdict(run)[1])
+        return Certificate(run, len(at) if certain else 0, 0 if certain else len(at))
 
     def stable_prefix(self, prompt, output) -> int:
         """How many leading tokens of `output` (greedy after `prompt`) every path within the tolerance

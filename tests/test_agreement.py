@@ -126,3 +126,23 @@ def test_sampled_draws_are_the_engine_samplers(referee):
     assert certificate.checked >= 6
     with pytest.raises(AssertionError, match="where the reference allows"):  # another seed's draws differ
         referee.check_sampled(PROMPT, output, dataclasses.replace(params, seed=6))
+
+
+def test_loglikelihoods_are_checked_against_the_reference_and_greedy_verdicts_where_certain(referee):
+    context, continuation = PROMPT[:16], PROMPT[16:20]
+    run = referee.run(PROMPT[:20])
+    rows = run.logits[15:19].astype(np.float64)
+    logp = rows - rows.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))  # NumPy log-softmax of the reference
+    want = float(logp[np.arange(4), continuation].sum())
+    greedy = bool(np.all(rows.argmax(-1) == continuation))
+    certificate = referee.check_loglikelihood(context, continuation, want, greedy)
+    assert certificate.checked + certificate.skipped == 4
+    with pytest.raises(AssertionError, match="log-likelihood"):
+        referee.check_loglikelihood(context, continuation, want + 0.05, greedy)  # ~10x the bound of 4 tokens
+    argmax = rows[:1].argmax(-1).tolist()  # a one-token continuation that is the argmax, by a margin
+    top2 = np.sort(rows[0])[-2:]
+    assert top2[1] - top2[0] > 2 * FP32.logits * np.abs(run.logits).max()
+    assert referee.check_loglikelihood(context, argmax, float(logp[0, argmax[0]]), True).checked == 1
+    with pytest.raises(AssertionError, match="is_greedy False"):
+        referee.check_loglikelihood(context, argmax, float(logp[0, argmax[0]]), False)

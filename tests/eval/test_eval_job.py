@@ -1,6 +1,12 @@
 """The eval job on a synthetic k3-tiny checkpoint against references computed here, one request at a
-time with `K3Model.logits` and plain log-softmax: loglikelihood and is_greedy, strided perplexity,
-bad lines, a killed and resumed job, meshes 1x1 and 8x2, and two processes (loglikelihood and generate).
+time with the one-device model's full forward and plain log-softmax (tests/agreement.py's referee):
+loglikelihood and is_greedy, strided perplexity, bad lines, a killed and resumed job, meshes 1x1 and
+8x2, and two processes (loglikelihood and generate).
+
+The checkpoint routes every token to the same experts by wide margins (`fixed_routing`): the job's
+batches, meshes and processes add in other orders than the reference, and random routers have
+near-ties that rounding flips (issue 19). Values are compared within fp32's tolerance, greedy verdicts
+and tokens where the reference's margin exceeds it.
 
 Every request is 25..32 tokens long and max_length is 32, so the job compiles one batch shape and the
 reference one row shape (compiles dominate the time on CPU); the module shares one model.
@@ -19,7 +25,9 @@ from convert import synth
 from k3jax.eval import EvalOptions, evaluate
 from k3jax.eval.output import ResultsWriter
 from serve.llm import load_tokenizer
+from serve.sampling import SamplingParams
 from sharding.mesh import make_mesh
+from tests.agreement import Referee
 from tests.k3jax.tiny_configs import k3_tiny_dict
 from tests.processes import local_coordinator
 
@@ -38,16 +46,19 @@ BAD_LINES = {  # line text -> expected error substring; appended after the good 
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     checkpoint = root / "k3-tiny"
-    synth.write_checkpoint(checkpoint, k3_tiny_dict(), seed=3)
+    synth.write_checkpoint(checkpoint, k3_tiny_dict(), seed=3, fixed_routing=True)
     model = k3jax.from_pretrained(checkpoint, dtype="float32", mesh=make_mesh("1x1"))
     return root, checkpoint, model, load_tokenizer(str(checkpoint))
 
 
-def reference_logits(model, ids) -> np.ndarray:
-    """float64 [len(ids), vocab]: the full causal forward of this one sequence (right-padded to T)."""
-    padded = np.zeros((1, T), np.int32)
-    padded[0, :len(ids)] = ids
-    return model.logits(padded, lengths=[len(ids)])[0, :len(ids)].astype(np.float64)
+@pytest.fixture(scope="module")
+def referee(setup):
+    return Referee(k3jax.from_pretrained(setup[1], dtype="float32"), pad=T)
+
+
+def reference_logits(referee, ids) -> np.ndarray:
+    """float64 [len(ids), vocab]: the full causal forward of this one sequence."""
+    return referee.run(ids).logits.astype(np.float64)
 
 
 def log_softmax(logits):
@@ -55,17 +66,20 @@ def log_softmax(logits):
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def reference_loglikelihood(model, context, continuation):
-    logits = reference_logits(model, context + continuation)
-    logp = log_softmax(logits)
-    at = [len(context) - 1 + i for i in range(len(continuation))]  # position t - 1 predicts token t
-    return (float(sum(logp[t, c] for t, c in zip(at, continuation))),
-            all(int(np.argmax(logits[t])) == c for t, c in zip(at, continuation)))
+def argmax_by_a_margin(referee, tokens) -> int | None:
+    """The reference's next token after `tokens` if it leads by four times the tolerance (so that every
+    path picks it), else None."""
+    logits = reference_logits(referee, tokens)
+    top2 = np.sort(logits[-1])[-2:]
+    if top2[1] - top2[0] <= 4 * 2 * referee.tol.logits * np.abs(logits).max():
+        return None
+    return int(np.argmax(logits[-1]))
 
 
 @pytest.fixture(scope="module")
-def requests(setup):
-    """(data file, the good requests as (id, context ids, continuation ids)); includes two greedy continuations."""
+def requests(setup, referee):
+    """(data file, the good requests as (id, context ids, continuation ids)); includes two greedy
+    continuations, chosen where the argmax leads by a margin."""
     root, _, model, tokenizer = setup
     rng = np.random.default_rng(0)
     good, lines = [], []
@@ -73,10 +87,11 @@ def requests(setup):
         n_ctx, n_cont = int(rng.integers(21, 28)), int(rng.integers(1, 5))
         good.append((i, rng.integers(0, 512, n_ctx).tolist(), rng.integers(0, 512, n_cont).tolist()))
     for i, n in ((9, 1), (10, 2)):  # continuations that are the model's own argmax
-        context = rng.integers(0, 512, 26).tolist()
         continuation = []
-        for _ in range(n):
-            continuation.append(int(np.argmax(reference_logits(model, context + continuation)[-1])))
+        while len(continuation) < n:
+            context, continuation = rng.integers(0, 512, 26).tolist(), []
+            while len(continuation) < n and (token := argmax_by_a_margin(referee, context + continuation)) is not None:
+                continuation.append(token)
         good.append((i, context, continuation))
     lines = [json.dumps({"id": i, "context_ids": c, "continuation_ids": x}) for i, c, x in good]
     text = {"id": "text", "context": "The quick brown fox jumps ", "continuation": "over"}
@@ -104,19 +119,27 @@ def single(setup, requests):
     return out
 
 
-def test_loglikelihood_and_is_greedy_match_the_reference(setup, requests, single):
-    _, _, model, tokenizer = setup
-    results = {r["id"]: r for r in records(single) if "error" not in r}
-    assert len(results) == len(requests[1])
+def check_results(referee, requests, path):
+    """Every result in the file is the reference's: loglikelihood within fp32's tolerance, is_greedy
+    where certain (at least 80% of the continuation tokens)."""
+    results = {r["id"]: r for r in records(path) if "error" not in r}
+    assert sorted(results, key=str) == sorted([rid for rid, _, _ in requests[1]], key=str)
+    checked = skipped = 0
     for rid, context, continuation in requests[1]:
-        want, greedy = reference_loglikelihood(model, context, continuation)
-        assert results[rid]["loglikelihood"] == pytest.approx(want, rel=1e-5, abs=1e-4), rid
-        assert results[rid]["is_greedy"] == greedy, rid
-    assert results[9]["is_greedy"] and results[10]["is_greedy"]
+        certificate = referee.check_loglikelihood(context, continuation, results[rid]["loglikelihood"],
+                                                  results[rid]["is_greedy"], what=f"request {rid}")
+        checked, skipped = checked + certificate.checked, skipped + certificate.skipped
+    assert checked >= 0.8 * (checked + skipped), (checked, skipped)
+    return results
+
+
+def test_loglikelihood_and_is_greedy_match_the_reference(referee, requests, single):
+    results = check_results(referee, requests, single)
+    assert results[9]["is_greedy"] and results[10]["is_greedy"]  # argmaxes by a margin: certain
     assert [r["line"] for r in records(single)] == list(range(1, len(requests[1]) + len(BAD_LINES) + 1))
 
 
-def test_bad_lines_are_reported_by_line_number_and_the_job_goes_on(requests, single, setup, capsys):
+def test_bad_lines_are_reported_by_line_number_and_the_job_goes_on(requests, single, setup, referee, capsys):
     _, _, model, tokenizer = setup
     first_bad = len(requests[1]) + 1
     errors = [r for r in records(single) if "error" in r]
@@ -132,11 +155,10 @@ def test_bad_lines_are_reported_by_line_number_and_the_job_goes_on(requests, sin
     # input-order batching changes the batches, not the file's order or (beyond rounding) its values
     unsorted = records(setup[0] / "stderr.jsonl")
     assert [(r["id"], r["line"]) for r in unsorted] == [(r["id"], r["line"]) for r in records(single)]
-    for a, b in zip(unsorted, records(single)):
-        assert a.get("loglikelihood", 0) == pytest.approx(b.get("loglikelihood", 0), rel=1e-5, abs=1e-4)
+    check_results(referee, requests, setup[0] / "stderr.jsonl")
 
 
-def test_killed_and_restarted_job_writes_the_same_file(setup, requests, single, monkeypatch):
+def test_killed_and_restarted_job_writes_the_same_file(setup, requests, single, referee, monkeypatch):
     root, _, model, tokenizer = setup
     raw = root / "killed.jsonl"
     with monkeypatch.context() as m:  # the file as the job streams it, before the final sort
@@ -147,13 +169,14 @@ def test_killed_and_restarted_job_writes_the_same_file(setup, requests, single, 
     raw.write_bytes(data[:cut])
     summary = run(model, tokenizer, requests[0], raw)
     assert 0 < summary["results"] < len(requests[1])  # resumed, not redone
-    assert raw.read_bytes() == single.read_bytes()
+    check_same_results(referee, requests, raw, single)  # the kept lines and the new ones, in order
+    finished = raw.read_bytes()
     again = run(model, tokenizer, requests[0], raw)  # a finished file: nothing runs, nothing changes
     assert again["results"] == again["errors"] == again["steps"] == 0
-    assert raw.read_bytes() == single.read_bytes()
+    assert raw.read_bytes() == finished
 
 
-def test_perplexity_matches_strided_reference(setup):
+def test_perplexity_matches_strided_reference(setup, referee):
     root, _, model, tokenizer = setup
     rng = np.random.default_rng(5)
     docs = {"long": rng.integers(0, 512, 71).tolist(), "short": rng.integers(0, 512, 27).tolist()}
@@ -167,32 +190,36 @@ def test_perplexity_matches_strided_reference(setup):
     for name, ids in docs.items():
         # token t is scored in the first window ending at or after t + 1 (ends T, T + stride, ... capped
         # at the length), with the window's tokens before it as context
-        total, n = 0.0, len(ids)
+        total, scale, n = 0.0, 0.0, len(ids)
         for t in range(1, n):
             end = T if t < T else min(T + -(-(t + 1 - T) // stride) * stride, n)
             begin = max(end - T, 0)
-            total += log_softmax(reference_logits(model, ids[begin:t + 1])[-2])[ids[t]]
+            logits = reference_logits(referee, ids[begin:t + 1])
+            total += log_softmax(logits[-2])[ids[t]]
+            scale = max(scale, np.abs(logits).max())
         assert got[name]["num_tokens"] == n - 1
-        assert got[name]["loglikelihood"] == pytest.approx(total, rel=1e-5, abs=1e-4), name
+        # each token's logprob within twice fp32's logits tolerance (routing is fixed: no flips)
+        bound = (n - 1) * 2 * referee.tol.logits * scale
+        assert abs(got[name]["loglikelihood"] - total) <= bound, (name, got[name]["loglikelihood"], total, bound)
         assert got[name]["perplexity"] == pytest.approx(np.exp(-total / (n - 1)), rel=1e-4)
     assert summary["corpus_perplexity"] == pytest.approx(
         np.exp(-sum(r["loglikelihood"] for r in got.values()) / sum(r["num_tokens"] for r in got.values())))
 
 
-def check_same_results(actual, expected):
-    actual, expected = records(actual), records(expected)
-    assert [(r["id"], r["line"], r.get("error"), r.get("is_greedy")) for r in actual] == \
-        [(r["id"], r["line"], r.get("error"), r.get("is_greedy")) for r in expected]
-    for a, b in zip(actual, expected):  # same program on other partitions: rounding differs
-        assert a.get("loglikelihood", 0) == pytest.approx(b.get("loglikelihood", 0), rel=1e-5, abs=1e-4)
+def check_same_results(referee, requests, actual, expected):
+    """The same lines, ids and errors as `expected`; values the reference's (other partitions add in
+    other orders: each file is checked against the reference, not against the other)."""
+    assert [(r["id"], r["line"], r.get("error")) for r in records(actual)] == \
+        [(r["id"], r["line"], r.get("error")) for r in records(expected)]
+    check_results(referee, requests, actual)
 
 
-def test_mesh_8x2_gives_the_results_of_1x1(setup, requests, single):
+def test_mesh_8x2_gives_the_results_of_1x1(setup, requests, single, referee):
     root, checkpoint, _, tokenizer = setup
     model = k3jax.from_pretrained(checkpoint, dtype="float32", mesh="8x2")
     summary = run(model, tokenizer, requests[0], root / "mesh.jsonl")
     assert summary["compiled_shapes"] == 1
-    check_same_results(root / "mesh.jsonl", single)
+    check_same_results(referee, requests, root / "mesh.jsonl", single)
 
 
 # The command-line runs, all at once: the generate task in one process, and two processes (mesh 1x4: the
@@ -254,28 +281,35 @@ def cli_runs(setup, requests, prompts):
     return {name: (p.wait(timeout=300), (root / f"{name}.log").read_text()) for name, p in procs.items()}
 
 
-def test_generate_uses_each_lines_sampling_params(setup, prompts, cli_runs):
-    """The command line in one process: greedy lines as full forwards pick them, per-line max_tokens, errors."""
-    root, _, model, _ = setup
-    returncode, output = cli_runs["one_gen"]
-    assert returncode == 0, output[-3000:]
-    got = records(root / "one_gen.jsonl")
+def check_generated(referee, prompts, path):
+    """Each line's tokens: greedy lines the reference's argmaxes, seeded lines the engine sampler's draws
+    from the reference logits (tests/agreement.py), where the margins make them certain; max_tokens
+    each; the bad lines' errors."""
+    got = records(path)
     assert [r["id"] for r in got] == ["g3", "g1", "bad", "long", "s3", "s1"]
     lines = [json.loads(line) for line in open(prompts)]
     for record, line in zip(got, lines):
         if "error" in record:
             continue
-        n = line["sampling_params"]["max_tokens"]
-        assert len(record["token_ids"]) == n and record["finish_reason"] == "length", record
-        if line["sampling_params"]["temperature"] == 0:
-            tokens = list(line["prompt_ids"])
-            for _ in range(n):  # greedy by full forwards
-                tokens.append(int(np.argmax(reference_logits(model, tokens)[-1])))
-            assert record["token_ids"] == tokens[-n:], record["id"]
+        params = SamplingParams(**line["sampling_params"])
+        assert len(record["token_ids"]) == params.max_tokens and record["finish_reason"] == "length", record
+        if params.greedy:
+            referee.check_greedy(line["prompt_ids"], record["token_ids"], what=record["id"])
+        else:
+            referee.check_sampled(line["prompt_ids"], record["token_ids"], params, what=record["id"])
     assert "bogus" in got[2]["error"] and "max_model_len" in got[3]["error"]
+    return got
 
 
-def test_two_processes_give_the_results_of_one(requests, single, cli_runs, setup):
+def test_generate_uses_each_lines_sampling_params(setup, prompts, cli_runs, referee):
+    """The command line in one process: greedy lines as full forwards pick them, seeded lines as the
+    sampler draws from them, per-line max_tokens, errors."""
+    returncode, output = cli_runs["one_gen"]
+    assert returncode == 0, output[-3000:]
+    check_generated(referee, prompts, setup[0] / "one_gen.jsonl")
+
+
+def test_two_processes_give_the_results_of_one(requests, single, cli_runs, setup, referee, prompts):
     """Process 0 writes the files; each process reads every other line and reports the bad lines of its slice."""
     root = setup[0]
     for i in range(2):
@@ -283,6 +317,9 @@ def test_two_processes_give_the_results_of_one(requests, single, cli_runs, setup
         assert returncode == 0, output[-3000:]
         for line in range(len(requests[1]) + 1, len(requests[1]) + len(BAD_LINES) + 1):
             assert (f"line {line}: " in output) == ((line - 1) % 2 == i)
-    check_same_results(root / "two.jsonl", single)
-    # generate: each process runs its own engine (data=2) on its lines; greedy and seeded lines come out the same
-    assert (root / "two_gen.jsonl").read_text() == (root / "one_gen.jsonl").read_text()
+    check_same_results(referee, requests, root / "two.jsonl", single)
+    # generate: each process runs its own engine (data=2) on its lines; greedy and seeded lines come out
+    # as the reference gives them, in the one-process file's order
+    two = check_generated(referee, prompts, root / "two_gen.jsonl")
+    assert [(r["id"], r["line"], r.get("error")) for r in two] == \
+        [(r["id"], r["line"], r.get("error")) for r in records(root / "one_gen.jsonl")]

@@ -17,6 +17,7 @@ from k3jax.decoder import PagedState, init_pools
 from k3jax.model import K3Model
 from pallas_kernels import dispatch
 from sharding.mesh import make_mesh
+from tests.agreement import Referee
 from tests.k3jax.tiny_configs import k3_tiny_dict
 
 PAGE, PAGES, SLOTS, WIDTH = 16, 12, 5, 3  # page size (the Pallas decode's smallest), pages, slots, table width
@@ -38,9 +39,10 @@ def garbage_pools(cfg, dtype):
     return jax.tree.map(lambda a: jnp.asarray(10 * rng.standard_normal(a.shape), a.dtype), pools)
 
 
-def run_steps(model, pools):
+def run_steps(model, pools, feed=None):
     """Prefills prompt 0 (7 tokens) beside a padding row; then decodes row 0 while row 1 brings its
-    one-token prompt to a fresh slot; then decodes both greedily. Every call has 2 rows (2 compiles).
+    one-token prompt to a fresh slot; then decodes both greedily, or with the tokens of `feed` (the
+    sequences of another run: teacher forcing). Every call has 2 rows (2 compiles).
     Returns each call's last-token logits [2, V] and the token sequences fed."""
     sequences = [[], []]
     tables = np.array([[1 + 3 * s + j for j in range(WIDTH)] for s in SLOT_OF], np.int32)
@@ -61,14 +63,26 @@ def run_steps(model, pools):
             seq.extend(t)
         last = np.asarray(logits)[np.arange(2), np.maximum(lengths - 1, 0)]
         logits_seen.append(last)
-        return last.argmax(-1)
+        if feed is None:
+            return [int(t) for t in last.argmax(-1)]
+        return [seq[len(fed)] if len(fed) < len(seq) else None for fed, seq in zip(sequences, feed)]
 
     with jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext():
         first = call([PROMPTS[0], []])[0]
-        greedy = call([[int(first)], PROMPTS[1]])
+        following = call([[first], PROMPTS[1]])
         for _ in range(STEPS):
-            greedy = call([[int(t)] for t in greedy])
+            following = call([[t] for t in following])
     return logits_seen, sequences
+
+
+def check_against_reference(referee, logits_seen, sequences, what):
+    """Each call's logits of each row are the full forward's at that position (one device, fp32's
+    tolerance, router near-ties followed: tests/agreement.py)."""
+    for r in range(2):
+        calls = logits_seen if r == 0 else logits_seen[1:]  # row 1 joins in the second call
+        positions = len(PROMPTS[r]) - 1 + np.arange(len(calls))
+        referee.check_logits(sequences[r][:positions[-1] + 1], np.stack([c[r] for c in calls]), positions,
+                             what=f"{what}, row {r}")
 
 
 def pallas_sized_config():
@@ -86,26 +100,17 @@ def xla_run():
 
 
 def test_paged_steps_from_garbage_pools_match_the_full_forward(xla_run):
+    # cached decode reassociates against the full forward (absorbed MLA, token-by-token KDA)
     model, logits_seen, sequences = xla_run
-    lengths = [len(seq) for seq in sequences]
-    full = model.logits([seq + [0] * (max(lengths) - len(seq)) for seq in sequences], np.array(lengths))
-    for r in range(2):
-        calls = logits_seen if r == 0 else logits_seen[1:]  # row 1 joins in the second call
-        for i, got in enumerate(calls):
-            position = len(PROMPTS[r]) - 1 + i
-            # cached decode reassociates against the full forward (absorbed MLA, token-by-token KDA)
-            np.testing.assert_allclose(got[r], full[r, position], rtol=1e-4, atol=1e-4 * np.abs(full).max(),
-                                       err_msg=f"row {r} position {position}")
+    check_against_reference(Referee(model), logits_seen, sequences, "XLA paged steps")
 
 
 def test_pallas_kernels_per_shard_match_the_xla_paths(xla_run, monkeypatch):
-    model, want, want_sequences = xla_run
+    # fp32, summed in other orders (the kernels' blocked dots and split pages, one row per data shard),
+    # fed the XLA run's tokens: both against the full forward
+    model, _, sequences = xla_run
     monkeypatch.setenv(dispatch.ENV, "pallas")
     sharded = K3Model(model.config, model.graphdef, model.params, make_mesh("2x1"))
-    got, got_sequences = run_steps(sharded, garbage_pools(model.config, jnp.float32))
-    assert got_sequences == want_sequences
-    for g, w in zip(got, want):
-        # fp32 on both sides, summed in other orders (the kernels' blocked dots and split pages, and
-        # one row per data shard: XLA:CPU's one-row products round unlike its two-row ones); through
-        # ten random layers and six steps that reaches 3.4e-5 of the largest logit (measured)
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
+    got, fed = run_steps(sharded, garbage_pools(model.config, jnp.float32), feed=sequences)
+    assert fed == sequences
+    check_against_reference(Referee(model), got, fed, "Pallas paged steps per shard")

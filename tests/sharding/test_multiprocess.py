@@ -1,6 +1,6 @@
 """Two local processes x 8 CPU devices (gloo) run one forward on a global 8x2 mesh and match the
-single-process result, for random weights and for a synthetic checkpoint each process loads itself
-(reading only the experts its devices hold)."""
+one-device model within fp32's tolerance (tests/agreement.py), for random weights and for a synthetic
+checkpoint each process loads itself (reading only the experts its devices hold)."""
 
 import os
 import subprocess
@@ -12,6 +12,7 @@ import k3jax
 from convert import layout, synth
 from k3jax.config import K3Config
 from k3jax.model import K3Model
+from tests.agreement import Referee
 from tests.k3jax.tiny_configs import k3_tiny_dict
 from tests.processes import local_coordinator
 
@@ -58,14 +59,17 @@ def test_two_processes_match_one(tmp_path):
     results = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
+    # Gloo adds the shards' partial sums in another order than one process does: compare with the
+    # one-device model teacher-forced, router near-ties followed (a 1-ulp tie flipped on CI: 9e-5 off).
     ids = np.random.default_rng(1).integers(0, 512, (4, 9), dtype=np.int32)
-    want = K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0, mesh="8x2").logits(ids)
-    # same mesh and program; only the collective implementation (gloo across processes) differs
-    np.testing.assert_allclose(np.load(out), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    random = Referee(K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0))
+    for row, logits in zip(ids, np.load(out)):
+        random.check_logits(row, logits, what="two processes, random weights")
 
     # Each process read every tensor except the other process's experts (8 of the 16, one per device).
     expert_bytes = sum(layout.tensor_bytes(r) for r in layout.all_tensors(cfg).values() if r.transform == "experts")
     for i in range(2):
         assert int(np.load(f"{out}.read{i}.npy")) == layout.checkpoint_bytes(cfg) - expert_bytes // 2
-    single = k3jax.from_pretrained(checkpoint, dtype="float32", mesh="8x2").logits(ids)
-    np.testing.assert_allclose(np.load(f"{out}.loaded.npy"), single, rtol=0, atol=1e-5 * np.abs(single).max())
+    loaded = Referee(k3jax.from_pretrained(checkpoint, dtype="float32"))
+    for row, logits in zip(ids, np.load(f"{out}.loaded.npy")):
+        loaded.check_logits(row, logits, what="two processes, loaded checkpoint")
