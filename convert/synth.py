@@ -12,14 +12,17 @@ import itertools
 import json
 import os
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
 from convert import layout, mxfp4
 from convert.dspark_layout import draft_tensors
 from k3jax.config import K3Config
 from k3jax.dspark_config import DSparkConfig
+from k3jax.model import K3Model
 
 _NUMPY_DTYPES = {layout.BF16: ml_dtypes.bfloat16, layout.F32: np.float32, layout.U8: np.uint8}
 MAX_SYNTHETIC_BYTES = 8 * 10**9
@@ -76,8 +79,21 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
     return cfg
 
 
-def _fixed_bias(bias: np.ndarray) -> np.ndarray:
+def _fixed_bias(bias):
     return np.arange(bias.shape[-1], 0, -1).astype(bias.dtype)
+
+
+def fixed_routing(model: K3Model) -> K3Model:
+    """`model` with the correction biases of write_checkpoint's fixed_routing: every token takes the
+    same experts by margins of 1. Two numeric paths (bf16 against fp32, a kernel against XLA, a window
+    against token-by-token decode) then route alike; with the random scores' near-ties a rounding
+    flips expert choices and moves every later value by far more than rounding."""
+    def fix(path, v):
+        if path[-2:] == ("gate", "e_score_correction_bias"):
+            return v.replace(jnp.asarray(_fixed_bias(v.get_value())))
+        return v
+    return K3Model(model.config, model.graphdef, nnx.from_flat_state([(k, fix(k, v)) for k, v in nnx.to_flat_state(model.params)]),
+                   model.mesh)
 
 
 def write_draft_checkpoint(out_dir: str | os.PathLike, draft_config: dict, *, seed: int = 0,

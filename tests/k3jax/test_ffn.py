@@ -11,22 +11,31 @@ from k3jax.layers.ffn import MoE, route
 from tests.k3jax.tiny_configs import k3_tiny, kimi_linear_tiny
 
 
-def np_route(x, kernel, bias, cfg):
+def np_route(x, kernel, bias, cfg, margins=False):
+    """(ids, weights) of spec 2.6's router in float64; with `margins`, also each token's smallest
+    decision margin (the k-th against the (k+1)-th kept score, and the kept groups against the next)."""
     scores = 1 / (1 + np.exp(-(x @ kernel)))
     choice = scores + bias
     t, e = choice.shape
+    margin = np.full(t, np.inf)
     if cfg.num_expert_group > 1:
         groups = choice.reshape(t, cfg.num_expert_group, -1)
         gscore = np.sort(groups, -1)[..., -2:].sum(-1)
         keep = np.argsort(-gscore, -1, kind="stable")[:, :cfg.topk_group]
+        if cfg.topk_group < cfg.num_expert_group:
+            ranked = -np.sort(-gscore, -1)
+            margin = ranked[:, cfg.topk_group - 1] - ranked[:, cfg.topk_group]
         mask = np.zeros_like(gscore, bool)
         np.put_along_axis(mask, keep, True, -1)
         choice = np.where(mask[..., None], groups, -np.inf).reshape(t, e)
-    ids = np.argsort(-choice, -1, kind="stable")[:, :cfg.num_experts_per_token]
+    k = cfg.num_experts_per_token
+    ids = np.argsort(-choice, -1, kind="stable")[:, :k]
+    ranked = -np.sort(-choice, -1)
+    margin = np.minimum(margin, np.where(np.isfinite(ranked[:, k]), ranked[:, k - 1] - ranked[:, k], np.inf))
     w = np.take_along_axis(scores, ids, -1)
     if cfg.moe_renormalize:
         w = w / w.sum(-1, keepdims=True)
-    return ids, w * cfg.routed_scaling_factor
+    return (ids, w * cfg.routed_scaling_factor) + ((margin,) if margins else ())
 
 
 @pytest.mark.parametrize("make_cfg", [k3_tiny, kimi_linear_tiny])
@@ -37,7 +46,10 @@ def test_router_matches_numpy(make_cfg):
     kernel = rng.standard_normal((cfg.hidden_size, cfg.num_experts)) / 8
     bias = rng.standard_normal(cfg.num_experts) * 0.3  # large enough to change the selection
     ids, w = route(jnp.asarray(x, jnp.float32), jnp.asarray(kernel, jnp.float32), jnp.asarray(bias, jnp.float32), cfg)
-    ref_ids, ref_w = np_route(x, kernel, bias, cfg)
+    ref_ids, ref_w, margin = np_route(x, kernel, bias, cfg, margins=True)
+    # every decision of these inputs is clear of a tie by far more than fp32 rounding moves a score
+    # (~1e-7): the selections must then agree exactly
+    assert margin.min() > 1e-5
     np.testing.assert_array_equal(np.sort(ids, -1), np.sort(ref_ids, -1))
     order, ref_order = np.argsort(ids, -1), np.argsort(ref_ids, -1)
     np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, -1),
@@ -62,7 +74,8 @@ def test_latent_moe_block_matches_numpy():
     w = lambda lin: np.asarray(lin.kernel[...], np.float64)  # noqa: E731
     deq = lambda t: mxfp4.dequantize(np.asarray(t.packed[...]), np.asarray(t.scales[...])).astype(np.float64)  # noqa
     beta, lin, eps = cfg.activation_situ_beta, cfg.activation_situ_linear_beta, cfg.rms_norm_eps
-    ids, weights = np_route(x, w(moe.gate), np.asarray(moe.gate.e_score_correction_bias[...]), cfg)
+    ids, weights, margin = np_route(x, w(moe.gate), np.asarray(moe.gate.e_score_correction_bias[...]), cfg, margins=True)
+    assert margin.min() > 1e-5  # routed alike at any rounding of the "highest" precision forward
     z = x @ w(moe.routed_expert_down_proj)
     w1, w3, w2 = deq(moe.experts.w1), deq(moe.experts.w3), deq(moe.experts.w2)
     r = np.zeros_like(z)

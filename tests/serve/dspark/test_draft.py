@@ -65,6 +65,14 @@ def run_paged(cfg, draft, head, taps, lengths, rng, **propose_args):
     return bonus, table, np.asarray(drafts), np.asarray(logits), pages
 
 
+def assert_same_greedy(drafts, want_drafts, want_logits, rtol, atol):
+    """Greedy drafts equal the float64 reference's, on inputs whose every step's top two logits are
+    further apart than the logits' tolerance lets them move (the identity then holds on any machine)."""
+    top2 = np.sort(want_logits, -1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0] > 2 * (atol + rtol * np.abs(top2).max(-1))).all(), "a near-tie: other inputs"
+    np.testing.assert_array_equal(drafts, want_drafts)
+
+
 def greedy_args(n):
     return {"temperature": jnp.zeros((n,), jnp.float32), "keys": jax.random.split(jax.random.key(0), n),
             "greedy_only": True}
@@ -97,7 +105,7 @@ def test_paged_draft_matches_contiguous_reference(cfg, setup, num_tokens, fold_r
         want_drafts, want_logits = ref.markov_greedy(base, int(bonus[i]), p["markov_w1"], p["markov_w2"],
                                                      cfg.logit_scale)
         np.testing.assert_allclose(logits[i], want_logits, rtol=2e-4, atol=2e-4)
-        np.testing.assert_array_equal(drafts[i], want_drafts)
+        assert_same_greedy(drafts[i], want_drafts, want_logits, rtol=2e-4, atol=2e-4)
         # the pages hold the context rows and then the block's own rows, at the row's page-table slots
         for l in range(cfg.num_hidden_layers):
             t = np.arange(length)
@@ -142,8 +150,8 @@ def test_markov_greedy_equals_python_loop():
     for i in range(n):
         want_drafts, want_logits = ref.markov_greedy(base[i].astype(np.float64), int(bonus[i]),
                                                      w1.astype(np.float64), w2.astype(np.float64), 0.5)
-        np.testing.assert_array_equal(np.asarray(drafts[i]), want_drafts)
         np.testing.assert_allclose(np.asarray(logits[i]), want_logits, rtol=1e-5, atol=1e-5)
+        assert_same_greedy(np.asarray(drafts[i]), want_drafts, want_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_probabilistic_drafts_follow_draft_logits():
