@@ -435,25 +435,6 @@ class Referee:
         certain = at[-1] < self.unchecked_from(run) and (is_greedy is None or verdict(run)[1])
         return Certificate(run, len(at) if certain else 0, 0 if certain else len(at))
 
-    def clear_of_ties(self, tokens, factor: float = 4.0) -> bool:
-        """Whether every router decision over `tokens` (top-k and expert groups) is `factor` router
-        tolerances away from a tie: no path within the tolerance then routes them otherwise."""
-        run = self.run(tokens)
-        return bool(min(run.router_margin.min(), run.group_margin.min()) > factor * self.tol.router)
-
-    def draw_clear(self, rng: np.random.Generator, rows: int, length: int, tries: int = 500) -> np.ndarray:
-        """int32 [rows, length] random tokens, each row redrawn until `clear_of_ties`: inputs on which
-        paths that differ by rounding route alike, so that they can be compared by value."""
-        out = np.zeros((rows, length), np.int32)
-        for r in range(rows):
-            for _ in range(tries):
-                out[r] = rng.integers(0, self.model.config.vocab_size, length)
-                if self.clear_of_ties(out[r]):
-                    break
-            else:
-                raise AssertionError(f"no row of {length} tokens clear of router ties in {tries} draws")
-        return out
-
     def stable_prefix(self, prompt, output) -> int:
         """How many leading tokens of `output` (greedy after `prompt`) every path within the tolerance
         produces: up to the first router near-tie, or logit near-tie. For tests that need a path's
