@@ -6,14 +6,18 @@ row's parameters changes array values, never shapes, and `sample` compiles once 
 
 Semantics follow vLLM V1, in its order:
   1. rows that have generated fewer than `min_tokens` tokens may not pick EOS or a stop token id;
+     then `logit_bias` is added (clamped to [-100, 100], as vLLM does);
   2. penalties: repetition over prompt and output tokens (positive logits divided, the others
      multiplied), then frequency (times the count) and presence over output tokens;
   3. greedy rows (temperature 0) take the argmax of the penalised logits;
   4. the other rows: temperature, then min-p, top-k and top-p, each on the distribution the previous
      filters left (min-p before top-p matters: it renormalises the mass that top-p cuts), then one
      Gumbel-max draw.
-Logprobs are vLLM's default "raw" logprobs: log-softmax of the model's logits, before bans,
+Logprobs are vLLM's default "raw" logprobs: log-softmax of the model's logits, before bans, bias,
 penalties, temperature and filters.
+
+No request changes a compiled shape: banned ids travel as a bitmask over the whole vocabulary (any
+number of stop token ids), logit biases in a fixed number of columns (at most MAX_LOGIT_BIAS each).
 
 Randomness: a row's key is derived from (request seed, number of tokens generated so far), or for
 a request without a seed from (engine seed, request id, tokens generated so far). A request's
@@ -27,7 +31,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -37,10 +41,12 @@ import numpy as np
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy, as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
-# Banned-id columns of a SamplingBatch: a power of two, at least this, so that the width (a shape)
-# only changes when some row in its min_tokens phase has more EOS + stop ids than that.
-MIN_BANNED_WIDTH = 8
-# Index padding the banned-id rows: out of bounds for any vocabulary, so the scatter drops it.
+# logit_bias entries one request may have (OpenAI's limit), and the bound vLLM clamps each bias to
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
+# Largest float32: temperatures and penalties beyond it would be inf in the sampler.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Index padding the logit-bias columns: out of bounds for any vocabulary, so the scatter drops it.
 _NO_TOKEN = np.iinfo(np.int32).max
 _UINT64_MASK = (1 << 64) - 1
 
@@ -53,6 +59,8 @@ class SamplingParams:
     as tuples (a single stop string becomes a 1-tuple, None an empty tuple). max_tokens None means
     up to the context limit. logprobs: None for none, n for the chosen token plus n alternatives.
     ignore_eos only tells the engine not to stop on EOS; min_tokens still bans EOS as in vLLM.
+    logit_bias {token id: bias} is stored as sorted (id, bias) pairs, each bias clamped to [-100, 100].
+    A bad value raises ValueError("<field>: must be ..."), named as the OpenAI API names it.
     """
 
     n: int = 1
@@ -71,6 +79,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: Mapping[int, float] | None = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -81,6 +90,8 @@ class SamplingParams:
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple(bias))
 
         def is_int(v):
             return isinstance(v, numbers.Integral) and not isinstance(v, bool)
@@ -90,7 +101,7 @@ class SamplingParams:
 
         checks = (
             ("n", is_int(self.n) and self.n >= 1, "an integer >= 1"),
-            ("temperature", is_real(self.temperature) and 0 <= self.temperature < math.inf,
+            ("temperature", is_real(self.temperature) and 0 <= self.temperature <= _FLOAT32_MAX,
              "a finite number >= 0"),
             ("top_p", is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", is_int(self.top_k) and self.top_k >= -1, "-1 or 0 (off) or an integer >= 1"),
@@ -100,7 +111,7 @@ class SamplingParams:
             ("frequency_penalty", is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              "in [-2, 2]"),
             ("repetition_penalty", is_real(self.repetition_penalty)
-             and 0 < self.repetition_penalty < math.inf, "a finite number > 0"),
+             and 0 < self.repetition_penalty <= _FLOAT32_MAX, "a finite number > 0"),
             ("seed", self.seed is None or is_int(self.seed), "None or an integer"),
             ("max_tokens", self.max_tokens is None or is_int(self.max_tokens) and self.max_tokens >= 1,
              "None or an integer >= 1"),
@@ -112,10 +123,18 @@ class SamplingParams:
              "integers >= 0"),
             ("logprobs", self.logprobs is None or is_int(self.logprobs)
              and 0 <= self.logprobs <= MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS
+             and all(is_int(t) and t >= 0 and is_real(b) and not math.isnan(b) for t, b in self.logit_bias)
+             and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
+             f"at most {MAX_LOGIT_BIAS} {{token id: bias}} entries"),
         )
         for field, ok, rule in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{field} must be {rule}, got {getattr(self, field)!r}")
+                value = getattr(self, field)
+                shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
+                raise ValueError(f"{field}: must be {rule}, got {shown}")
+        object.__setattr__(self, "logit_bias", tuple(sorted(
+            (t, min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))) for t, b in self.logit_bias)))
 
     @property
     def greedy(self) -> bool:
@@ -148,16 +167,21 @@ class SamplingBatch(NamedTuple):
     seeded: np.ndarray  # bool
     request_id: np.ndarray  # uint32; picks the stream of an unseeded row
     num_generated: np.ndarray  # int32; output tokens so far (the step of the row's key)
-    banned_ids: np.ndarray  # int32 [B, W]; padded with an out-of-vocabulary index
+    banned_bits: np.ndarray  # uint32 [B, ceil(V / 32)]: bit t % 32 of word t // 32 bans token t
+    bias_ids: np.ndarray  # int32 [B, MAX_LOGIT_BIAS]; padded with an out-of-vocabulary index
+    bias: np.ndarray  # f32 [B, MAX_LOGIT_BIAS]
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams | None], bucket_size: int, *,
                     num_generated: Sequence[int], request_ids: Sequence[int],
-                    eos_token_ids: Sequence[int] = (), engine_seed: int = 0) -> SamplingBatch:
+                    eos_token_ids: Sequence[int] = (), engine_seed: int = 0,
+                    vocab_size: int | None = None) -> SamplingBatch:
         """Builds the batch on the host; None rows and rows past len(params) are padding.
 
         num_generated and request_ids run parallel to params (their padding entries are ignored);
-        request ids are integers (e.g. the engine's request counter), used modulo 2**32.
+        request ids are integers (e.g. the engine's request counter), used modulo 2**32. With
+        `vocab_size` the banned-id bitmask covers the vocabulary, so the batch's shapes depend on
+        nothing a request asks for (the engine's case); without, it covers the largest banned id.
         """
         if len(params) > bucket_size:
             raise ValueError(f"{len(params)} rows do not fit a bucket of {bucket_size}")
@@ -174,14 +198,19 @@ class SamplingBatch(NamedTuple):
         def penalty(value, neutral):
             return np.array([neutral if p is None else value(p) for p in rows], np.float32)
 
-        banned = [list(eos_token_ids) + list(p.stop_token_ids)
-                  if p is not None and done < p.min_tokens else [] for p, done in zip(rows, num_generated)]
-        width = MIN_BANNED_WIDTH
-        while width < max(map(len, banned)):
-            width *= 2
-        banned_ids = np.full((bucket_size, width), _NO_TOKEN, np.int32)
+        banned = [np.array(list(eos_token_ids) + list(p.stop_token_ids) if p is not None and done < p.min_tokens
+                           else [], np.int64) for p, done in zip(rows, num_generated)]
+        words = -(-vocab_size // 32) if vocab_size else max(1, max(-(-(int(ids.max(initial=-1)) + 1) // 32)
+                                                                   for ids in banned))
+        banned_bits = np.zeros((bucket_size, words), np.uint32)
         for row, ids in enumerate(banned):
-            banned_ids[row, :len(ids)] = ids
+            ids = ids[ids < words * 32]
+            np.bitwise_or.at(banned_bits[row], ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+        bias_ids = np.full((bucket_size, MAX_LOGIT_BIAS), _NO_TOKEN, np.int32)
+        bias = np.zeros((bucket_size, MAX_LOGIT_BIAS), np.float32)
+        for row, p in enumerate(rows):
+            if p is not None and p.logit_bias:
+                bias_ids[row, :len(p.logit_bias)], bias[row, :len(p.logit_bias)] = zip(*p.logit_bias)
 
         engine_words = _key_words(engine_seed)
         return cls(
@@ -197,7 +226,9 @@ class SamplingBatch(NamedTuple):
             seeded=np.array([p is not None and p.seed is not None for p in rows]),
             request_id=np.array([r & 0xFFFFFFFF for r in request_ids], np.uint32),
             num_generated=np.array(num_generated, np.int32),
-            banned_ids=banned_ids,
+            banned_bits=banned_bits,
+            bias_ids=bias_ids,
+            bias=bias,
         )
 
 
@@ -260,13 +291,16 @@ def gumbel_argmax(logits: jax.Array, keys: jax.Array) -> jax.Array:
 
 def penalised_logits(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array,
                      prompt_mask: jax.Array) -> jax.Array:
-    """Steps 1-2 on f32 logits [B, V]: banned ids (min_tokens) to -inf, then the penalties (none when
-    output_counts is None)."""
+    """Steps 1-2 on f32 logits [B, V]: banned ids (min_tokens) to -inf, the logit biases added, then
+    the penalties (none when output_counts is None)."""
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.uint32)
+    words = jnp.take(batch.banned_bits, ids >> 5, axis=1, mode="fill", fill_value=0)
+    banned = jnp.where(((words >> (ids & 31)) & 1) == 1, -jnp.inf, logits)
     rows = jnp.arange(logits.shape[0])[:, None]
-    banned = logits.at[rows, batch.banned_ids].set(-jnp.inf, mode="drop")
+    biased = banned.at[rows, batch.bias_ids].add(batch.bias, mode="drop")
     if output_counts is None:
-        return banned
-    return apply_penalties(banned, batch, output_counts, prompt_mask)
+        return biased
+    return apply_penalties(biased, batch, output_counts, prompt_mask)
 
 
 def filtered_logits(penalised: jax.Array, batch: SamplingBatch) -> jax.Array:

@@ -44,14 +44,15 @@ class VerifyResult(NamedTuple):
 
 
 def window_batch(params: Sequence[SamplingParams], num_rows: int, window: int, *, num_generated: Sequence[int],
-                 request_ids: Sequence[int], eos_token_ids: Sequence[int] = (), engine_seed: int = 0) -> SamplingBatch:
+                 request_ids: Sequence[int], eos_token_ids: Sequence[int] = (), engine_seed: int = 0,
+                 vocab_size: int | None = None) -> SamplingBatch:
     """The SamplingBatch of num_rows windows of `window` positions, flattened row-major: position j
     of request i is row i * window + j, at num_generated[i] + j tokens generated."""
     flat_params = [p for p in params for _ in range(window)]
     return SamplingBatch.from_params(
         flat_params, num_rows * window, num_generated=[g + j for g in num_generated for j in range(window)],
         request_ids=[r for r in request_ids for _ in range(window)], eos_token_ids=eos_token_ids,
-        engine_seed=engine_seed)
+        engine_seed=engine_seed, vocab_size=vocab_size)
 
 
 def draft_keys(batch: SamplingBatch) -> jax.Array:

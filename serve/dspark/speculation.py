@@ -159,7 +159,8 @@ def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts):
     batch = rejection.window_batch([r.params for r in requests], num_rows, drafts.shape[1] + 1,
                                    num_generated=[len(r.output) for r in requests],
                                    request_ids=[r.arrival for r in requests],
-                                   eos_token_ids=sorted(engine.eos_ids), engine_seed=engine.options.seed)
+                                   eos_token_ids=sorted(engine.eos_ids), engine_seed=engine.options.seed,
+                                   vocab_size=logits.shape[-1])
     counts, prompt_mask = engine._penalty_inputs(ready, num_rows, logits.shape[-1])
     wants_logprobs = any(r.params.logprobs is not None for r in requests)
     return rejection.verify(logits, drafts, _draft_logits(engine, requests, num_rows), num_drafts, batch, counts,

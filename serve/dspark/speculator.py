@@ -132,7 +132,8 @@ class DSparkSpeculator:
             bonus[i], positions[i] = request.tokens[-1], request.computed
         batch = SamplingBatch.from_params([r.params for r in requests], num_rows,
                                           num_generated=[len(r.output) for r in requests],
-                                          request_ids=[r.arrival for r in requests], engine_seed=self.engine_seed)
+                                          request_ids=[r.arrival for r in requests], engine_seed=self.engine_seed,
+                                          vocab_size=self.draft_logits_shape[1])
         arrays = (bonus, positions, self._table(requests, num_rows), *batch)
         if self.spans_processes:
             multihost.announce(multihost.PROPOSE, *arrays)

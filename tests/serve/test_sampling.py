@@ -164,6 +164,34 @@ def test_min_tokens_bans_eos_and_stop_ids():
         np.testing.assert_array_equal(tokens, want)
 
 
+def test_thousands_of_stop_ids_change_no_shape_and_all_are_banned():
+    """Issue 21: 3,000 stop_token_ids with min_tokens recompiled the sampler (a banned-id width that
+    grew with the set); the bitmask over the vocabulary has one shape whatever a request bans."""
+    plain = batch_of([SamplingParams()] * B, eos_token_ids=[2], vocab_size=V)
+    many = [SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[t for t in range(V) if t != 40] * 47)] * B
+    banning = batch_of(many, eos_token_ids=[2], vocab_size=V)
+    assert [(a.shape, a.dtype) for a in plain] == [(a.shape, a.dtype) for a in banning]
+    sample_compiles = sample._cache_size()
+    tokens, *_ = run(LOGITS, banning)
+    np.testing.assert_array_equal(tokens, 40)  # every other token is banned
+    run(LOGITS, plain)
+    assert sample._cache_size() - sample_compiles <= 1
+
+
+def test_logit_bias_is_added_before_the_penalties_and_clamped():
+    logits = np.zeros((B, V), np.float32)
+    logits[:, 7] = 5.0
+    params = [SamplingParams(temperature=0, logit_bias={3: 1e6, 7: -2.0}, repetition_penalty=2.0)] * B
+    counts = np.zeros((B, V), np.int32)
+    counts[:, 3] = 1  # 3 was generated: the repetition penalty divides its biased (positive) logit
+    tokens, logprob, *_ = run(logits, batch_of(params), counts)
+    assert SamplingParams(logit_bias={3: 1e6}).logit_bias == ((3, 100.0),)
+    np.testing.assert_array_equal(tokens, 3)  # 100 / 2 = 50 > 5 - 2
+    np.testing.assert_allclose(logprob, ref_log_softmax(logits)[:, 3], atol=1e-5)  # raw: before the bias
+    tokens, *_ = run(logits, batch_of([SamplingParams(temperature=0.7, seed=1, logit_bias={9: 100.0})] * B))
+    np.testing.assert_array_equal(tokens, 9)
+
+
 # Logprobs ------------------------------------------------------------------------------------------
 
 def test_logprobs_are_raw_log_softmax():
@@ -272,9 +300,12 @@ def test_count_helpers_match_numpy():
     ("top_k", -2), ("min_p", 1.1), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
     ("repetition_penalty", 0.0), ("seed", 1.5), ("max_tokens", 0), ("min_tokens", -1),
     ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", -1),
+    ("temperature", 1e39), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: float("nan")}),
+    ("logit_bias", {i: 1.0 for i in range(301)}),
 ])
 def test_invalid_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*, got "):
+    """The message starts with the field's API name (the HTTP server's 400s pass it on)."""
+    with pytest.raises(ValueError, match=rf"^{field}: must be .*, got "):
         SamplingParams(**{field: value})
 
 
