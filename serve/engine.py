@@ -4,12 +4,19 @@ A step asks the scheduler for this step's rows, runs the prefill chunks and the 
 jitted model calls (each bucketed), samples a token for every row that reached the end of its
 known tokens, and applies the stop rules. Everything a request holds in the cache is freed the
 moment it finishes or is aborted.
+
+A failing request fails alone: `add_request` refuses what a step could not run (ids outside the
+vocabulary, top_k past it, empty or too long prompts), and a step that raises anyway is retried
+without its culprit: every running request is preempted (it recomputes later, its output unchanged)
+and the step's requests rerun one at a time, each alone until it samples a token, so the one that
+fails alone finishes with finish_reason "error" and the others go on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 
 import jax
@@ -24,6 +31,8 @@ from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
 from serve.sampling import SamplingParams
 from serve.scheduler import Request, Scheduler, Status
+
+logger = logging.getLogger(__name__)
 
 # fp8: E4M3 pages with a per-layer scale of 1, vLLM's and SGLang's default when a checkpoint has no
 # calibrated kv scales (benchmarks/engine_fp8_agreement.py shows where the rows fall in E4M3's range)
@@ -62,10 +71,13 @@ class EngineOptions:
 
 @dataclasses.dataclass
 class RequestOutput:
+    """A request's output so far; from `step(deltas=True)`, only what is new since its last output
+    (token_ids, logprobs and text; text is held back while a stop string could still cut it)."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"; None while running
+    finish_reason: str | None  # "stop", "length", "abort" or "error" (the request failed); None while running
     logprobs: list[dict] | None = None
     text: str | None = None
 
@@ -138,10 +150,15 @@ class Engine:
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
         vocab = self.model.config.vocab_size
+        # What a step would otherwise fail on, for every request in it: checked here, for this one.
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {list(params.stop_token_ids)}")
+            raise ValueError(f"stop_token_ids: token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must lie in [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k: must be at most the vocabulary size, {vocab}, got {params.top_k}")
         if len(ids) + 1 > self.options.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.options.max_model_len} leaves "
+            raise ValueError(f"prompt: {len(ids)} tokens; max_model_len={self.options.max_model_len} leaves "
                              "no room to generate")
         request_id = request_id if request_id is not None else f"req-{next(self._arrivals)}"
         if request_id in self.requests:
@@ -233,9 +250,20 @@ class Engine:
 
     # steps
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the requests that got a token or finished."""
+    def step(self, *, deltas: bool = False) -> list[RequestOutput]:
+        """Runs one step; returns the requests that got a token or finished (with `deltas`, only what
+        each got since its last output: a server's streams need nothing more, and nothing is copied
+        twice)."""
         plan = self.scheduler.schedule()
+        try:
+            requests = self._execute(plan)
+        except Exception as error:
+            return self._isolate(plan, error, deltas)
+        for request in requests:
+            request.suspect = False  # it ran a step to a token
+        return [self._output(r, deltas) for r in requests]
+
+    def _execute(self, plan) -> list[Request]:
         touched = []
         if plan.prefill:
             rows = [(r.tokens[r.computed:r.computed + n], r) for r, n in plan.prefill]
@@ -247,10 +275,29 @@ class Engine:
             rows = [(r.tokens[r.computed:], r) for r in plan.decode]
             touched += self._emit(self._run(rows, bucket(len(rows), self.decode_rows), 1))
         requests = list(dict.fromkeys(touched))
-        outputs = [self._output(r) for r in requests]
         if self.speculator is not None:
             speculation.propose(self, [r for r in requests if r.status is Status.RUNNING])
-        return outputs
+        return requests
+
+    def _isolate(self, plan, error: Exception, deltas: bool) -> list[RequestOutput]:
+        """After a failed step: a request that ran alone is the culprit and fails; otherwise every
+        running request is preempted and the step's requests become suspects, which the scheduler
+        runs one at a time. Returns the outputs of requests that finished before the failure."""
+        in_step = list(dict.fromkeys([*plan.decode, *(r for r, _ in plan.prefill)]))
+        if not in_step:
+            raise error  # a failure outside any request's step: the caller's to handle
+        finished = [r for r in in_step if r.status is Status.FINISHED]
+        unfinished = [r for r in in_step if r.status is not Status.FINISHED]
+        if len(in_step) == 1:
+            logger.error("request %s failed a step it ran alone; it finishes with an error", in_step[0].id,
+                         exc_info=error)
+            if unfinished:
+                self.scheduler.finish(unfinished[0], "error")
+            return [self._output(in_step[0], deltas)]
+        logger.error("a step of %d requests failed; rerunning them one at a time", len(in_step), exc_info=error)
+        for request in list(reversed(self.scheduler.running)):  # each goes to the queue's front: keep the order
+            self.scheduler.preempt(request, suspect=request in unfinished)
+        return [self._output(r, deltas) for r in finished]
 
     def _emit(self, sampled: list[tuple[Request, int, dict | None]]) -> list[Request]:
         """Appends sampled tokens (with their logprobs entries) and applies the stop rules; tokens that
@@ -299,7 +346,8 @@ class Engine:
         for i, request in ready:
             params[i], generated[i], ids[i] = request.params, len(request.output), request.arrival
         batch = sampling.SamplingBatch.from_params(params, num_rows, num_generated=generated, request_ids=ids,
-                                                   eos_token_ids=sorted(self.eos_ids), engine_seed=self.options.seed)
+                                                   eos_token_ids=sorted(self.eos_ids), engine_seed=self.options.seed,
+                                                   vocab_size=self.model.config.vocab_size)
         counts, prompt_mask = self._penalty_inputs(ready, num_rows, self.model.config.vocab_size)
         wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
         return _Sampler(batch, counts, prompt_mask, sampling.MAX_LOGPROBS if wants_logprobs else 0,
@@ -339,27 +387,34 @@ class Engine:
             self._texts[request.id] = _Text(self.tokenizer, request.params)
         return self._texts[request.id]
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request, delta: bool = False) -> RequestOutput:
+        finished = request.status is Status.FINISHED
         text = None
         if self.tokenizer is not None:
-            text = self._text(request).finish() if request.status is Status.FINISHED else self._text(request).text
-        if request.status is Status.FINISHED:
+            detokenized = self._text(request)
+            if finished:
+                detokenized.finish()
+            text = detokenized.take(finished) if delta else detokenized.text
+        if finished:
             self.requests.pop(request.id, None)
             self._texts.pop(request.id, None)
-        return RequestOutput(request.id, request.prompt, list(request.output), request.finish_reason,
-                             list(request.logprobs) if request.params.logprobs is not None else None, text)
+        start = request.num_sent if delta else 0
+        request.num_sent = len(request.output)
+        logprobs = request.logprobs[start:] if request.params.logprobs is not None else None
+        return RequestOutput(request.id, request.prompt, request.output[start:], request.finish_reason, logprobs,
+                             text)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer files: send token ids, not text")
-            return self.tokenizer.encode(prompt)
+                raise ValueError("prompt: this model has no tokenizer files: send token ids, not text")
+            prompt = self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise ValueError(f"prompt: token ids must lie in [0, {vocab})")
+        if not ids:  # nothing to compute a first token from: it would wait at the head of the queue forever
+            raise ValueError("prompt: must not be empty")
         return ids
 
 
@@ -391,6 +446,10 @@ class _Text:
         self.stops = params.stop
         self.text = ""
         self.stopped = False
+        self.finished = False
+        # Text that a stop string could still begin in is not handed out: it might be cut.
+        self.holdback = max((len(stop) for stop in self.stops), default=1) - 1
+        self.sent = 0
 
     def feed(self, token: int) -> bool:
         start = len(self.text)
@@ -402,8 +461,14 @@ class _Text:
             self.stopped = True
         return self.stopped
 
-    def finish(self) -> str:
-        """The final text: with the bytes of a character the last token left unfinished, unless cut."""
-        if not self.stopped:
+    def finish(self) -> None:
+        """Completes the text with the bytes of a character the last token left unfinished, unless cut."""
+        if not self.stopped and not self.finished:
             self.text += self.decoder.finish()
-        return self.text
+        self.finished = True
+
+    def take(self, final: bool) -> str:
+        """The text not handed out yet that no stop string can cut any more (all of it when final)."""
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.holdback)
+        new, self.sent = self.text[self.sent:end], end
+        return new

@@ -6,6 +6,8 @@ steps with its KDA state and MLA pages carried, so a prefill never stalls the de
 admitted first come, first served while a slot, pages and room under `max_num_seqs` remain. When a decoding request needs a page and none is free, the
 most recently admitted request is preempted: its pages and slot are freed and it restarts later by
 recomputing its prompt and the tokens it already generated (so its output does not change).
+A suspect (a request of a step that failed, see serve/engine.py) runs alone: it is admitted only
+into an empty batch, and nothing joins it until its next token.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Request:
     restore_from: int | None = None  # a prefix-cache snapshot slot to copy into `slot` before running
     drafts: list[int] = dataclasses.field(default_factory=list)  # speculative tokens the next step verifies
     draft_logits: object = None  # with probabilistic drafting: (device array, row) of the drafts' logits
+    suspect: bool = False  # in a step that failed: runs alone until it samples a token
+    num_sent: int = 0  # output tokens handed out as deltas
 
     @property
     def tokens(self) -> list[int]:
@@ -108,8 +112,10 @@ class Scheduler:
                 prefill.append((request, chunk))
                 budget -= chunk
         while self.waiting and budget > 0 and len(prefill) < self.max_prefill_rows \
-                and len(self.running) < self.max_num_seqs:
+                and len(self.running) < self.max_num_seqs and not any(r.suspect for r in self.running):
             request = self.waiting[0]
+            if request.suspect and self.running:
+                break
             slot = self.allocator.allocate_slot()
             if slot is None:
                 break
@@ -126,6 +132,8 @@ class Scheduler:
             self.running.append(request)
             prefill.append((request, chunk))
             budget -= chunk
+            if request.suspect:
+                break
         return StepPlan(decode, prefill)
 
     def finish(self, request: Request, reason: str) -> None:
@@ -201,6 +209,11 @@ class Scheduler:
         self.allocator.free(request.pages, request.slot)
         request.pages, request.slot, request.computed, request.hashes, request.restore_from = [], None, 0, [], None
         request.drafts, request.draft_logits = [], None
+
+    def preempt(self, request: Request, *, suspect: bool = False) -> None:
+        """Sends a running request back to the front of the queue; it recomputes its tokens when readmitted."""
+        request.suspect = suspect
+        self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

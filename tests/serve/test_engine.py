@@ -263,6 +263,6 @@ def test_bad_requests_are_refused_and_lose_nothing(referee, engine):
         engine.add_request([1, 600])
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.add_request("hello")
-    with pytest.raises(ValueError, match=r"stop_token_ids must lie in \[0, 512\)"):
+    with pytest.raises(ValueError, match=r"^stop_token_ids: token ids must lie in \[0, 512\)"):
         engine.add_request([1, 2], SamplingParams(stop_token_ids=[5, 10**9]))
     check_outputs(referee, [[5, 6, 7]], generate(engine, [[5, 6, 7]], [3]))
