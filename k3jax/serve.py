@@ -60,11 +60,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-queued-requests", type=int, default=256,
                         help="requests that may wait beyond the running batch; more get 503")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    parser.add_argument("--max-n", type=_positive, default=128, help="most choices (n, best_of) one request may "
+                                                                     "ask for; more get 400")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for open requests before cancelling them")
+    parser.add_argument("--slow-reader-timeout", type=float, default=30.0,
+                        help="seconds a stream may leave its output unread (beyond a buffer) before it is aborted")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     # TESTING ONLY: lets chat requests force the model's output, to test the parsers end to end.
     parser.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     distributed.add_arguments(parser)
     return parser.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _speculative_config(text: str) -> dict:
@@ -118,15 +131,19 @@ def _serve(engine: Engine, args, path: str, options: EngineOptions, log) -> int:
     engine.warmup(background=True, log=lambda done, total: log.info("compiled %d of %d step shapes", done, total))
 
     config = ServerConfig(model_name=args.served_model_name or args.model or DEFAULT_MODEL, model_path=path,
-                          api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                          api_key=args.api_key, max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           enable_test_hooks=args.enable_test_hooks)
-    app = build_app(AsyncEngine(engine, max_queued_requests=args.max_queued_requests), config)
+    app = build_app(AsyncEngine(engine, max_queued_requests=args.max_queued_requests,
+                                stall_timeout_s=args.slow_reader_timeout), config)
     # Bound before the URL is printed: a client that reads it can connect at once (it waits in the
     # listen backlog until uvicorn accepts), and --port 0 has its real port to print.
     sock = socket.create_server((args.host, args.port))
     host, port = sock.getsockname()[:2]
     print(f"k3jax.serve: {config.model_name} at http://{host}:{port}/v1", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    # On SIGTERM uvicorn stops accepting, waits up to --shutdown-timeout for open requests (a stalled
+    # reader would hold it forever), then cancels them, which aborts their engine requests.
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
+                                  timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     return 0
 
 

@@ -1,10 +1,9 @@
 """Engine outputs in OpenAI's response shapes: one object per choice, whole or as stream deltas.
 
-A choice's engine output grows token by token (`RequestOutput.text` is the text so far). Streams
-send only what is new, holding back the last characters that could still turn out to be the start
-of a stop string (the engine cuts the text where a stop string begins, so text sent before would
-otherwise have to be taken back). Chat text goes through the K3 output parsers: reasoning,
-content and tool calls.
+The engine hands out deltas (`Engine.step(deltas=True)`): each output holds the tokens, logprobs
+and text a step added, the text already held back while a stop string could still cut it. A
+stream sends each delta on; a whole response joins them (`Totals`). Chat text goes through the K3
+output parsers: reasoning, content and tool calls.
 """
 
 from __future__ import annotations
@@ -16,44 +15,48 @@ from serve.engine import RequestOutput
 MIN_LOGPROB = -9999.0
 
 
-def usage(outputs: dict[int, RequestOutput], n: int) -> dict:
-    """Token counts of a request's finished outputs; each prompt counts once, not once per choice."""
-    prompt = sum(len(output.prompt_token_ids) for index, output in outputs.items() if index % n == 0)
-    completion = sum(len(output.token_ids) for output in outputs.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+class Totals:
+    """A request's output deltas joined per choice: token counts for `usage`, and (with
+    `keep_outputs`) each choice's whole output for a non-streaming response."""
 
+    def __init__(self, num_choices: int, keep_outputs: bool = True):
+        self.prompt_tokens = [0] * num_choices
+        self.completion_tokens = [0] * num_choices
+        self.keep_outputs = keep_outputs
+        self.outputs: dict[int, RequestOutput] = {}
 
-class _Progress:
-    """How much of a choice's output a stream has sent."""
+    def add(self, index: int, delta: RequestOutput) -> None:
+        self.prompt_tokens[index] = len(delta.prompt_token_ids)
+        self.completion_tokens[index] += len(delta.token_ids)
+        if not self.keep_outputs:
+            return
+        whole = self.outputs.get(index)
+        if whole is None:
+            self.outputs[index] = RequestOutput(delta.request_id, delta.prompt_token_ids, list(delta.token_ids),
+                                                delta.finish_reason, list(delta.logprobs or []), delta.text)
+            return
+        whole.token_ids += delta.token_ids
+        whole.logprobs += delta.logprobs or []
+        whole.text = None if delta.text is None else (whole.text or "") + delta.text
+        whole.finish_reason = delta.finish_reason
 
-    def __init__(self, stop: tuple[str, ...]):
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.sent_chars = 0
-        self.sent_tokens = 0
-
-    def new_text(self, output: RequestOutput) -> str:
-        text = output.text or ""
-        end = len(text) if output.finished else max(self.sent_chars, len(text) - self.holdback)
-        new, self.sent_chars = text[self.sent_chars:end], end
-        return new
-
-    def new_tokens(self, output: RequestOutput) -> tuple[list[int], list[dict]]:
-        """The ids and logprob entries of the tokens not sent yet."""
-        start, self.sent_tokens = self.sent_tokens, len(output.token_ids)
-        return output.token_ids[start:], (output.logprobs or [])[start:]
+    def usage(self, n: int) -> dict:
+        """Token counts; each prompt counts once, not once per choice."""
+        prompt = sum(self.prompt_tokens[::n])
+        completion = sum(self.completion_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class ChatChoice:
     """One choice of a chat completion."""
 
     def __init__(self, index: int, tokenizer: Tokenizer, *, thinking: bool, tools: list | None,
-                 stop: tuple[str, ...], top_logprobs: int | None):
+                 top_logprobs: int | None):
         self.index = index
         self.tokenizer = tokenizer
         self.thinking = thinking
         self.tools = tools  # None when calls are not parsed (no tools, or tool_choice "none")
         self.top_logprobs = top_logprobs  # None: no logprobs
-        self._progress = _Progress(stop)
         self._parser = OutputParser(thinking=thinking, tools=tools, stream_reasoning=True)
         self._called_tools = False
 
@@ -72,14 +75,14 @@ class ChatChoice:
                 "finish_reason": None}
 
     def delta(self, output: RequestOutput) -> dict | None:
-        """The stream chunk's choice for what `output` adds, or None when nothing is new yet."""
-        deltas = [self._parser.feed(self._progress.new_text(output))]
+        """The stream chunk's choice for what the delta `output` adds, or None when nothing is new yet."""
+        deltas = [self._parser.feed(output.text or "")]
         if output.finished:
             deltas.append(self._parser.finish())
         delta = _joined(deltas)
         self._called_tools |= "tool_calls" in delta
-        tokens, entries = self._progress.new_tokens(output)
-        logprobs = self._logprobs(tokens, entries) if self.top_logprobs is not None and tokens else None
+        tokens = output.token_ids
+        logprobs = self._logprobs(tokens, output.logprobs or []) if self.top_logprobs is not None and tokens else None
         if not delta and logprobs is None and not output.finished:
             return None
         finish_reason = self._finish_reason(output, self._called_tools) if output.finished else None
@@ -121,11 +124,10 @@ def _joined(deltas: list[Delta]) -> dict:
 class CompletionChoice:
     """One choice of a (legacy) text completion."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer | None, *, stop: tuple[str, ...], logprobs: int | None):
+    def __init__(self, index: int, tokenizer: Tokenizer | None, *, logprobs: int | None):
         self.index = index
         self.tokenizer = tokenizer
         self.num_logprobs = logprobs  # None: no logprobs
-        self._progress = _Progress(stop)
         self._text_offset = 0
 
     def whole(self, output: RequestOutput) -> dict:
@@ -134,9 +136,10 @@ class CompletionChoice:
                 "finish_reason": output.finish_reason}
 
     def delta(self, output: RequestOutput) -> dict | None:
-        text = self._progress.new_text(output)
-        tokens, entries = self._progress.new_tokens(output)
-        logprobs = self._logprobs(tokens, entries) if self.num_logprobs is not None and tokens else None
+        """The stream chunk's choice for the delta `output`, or None when nothing is new yet."""
+        text = output.text or ""
+        tokens = output.token_ids
+        logprobs = self._logprobs(tokens, output.logprobs or []) if self.num_logprobs is not None and tokens else None
         if not text and logprobs is None and not output.finished:
             return None
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": output.finish_reason}

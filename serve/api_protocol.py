@@ -1,63 +1,74 @@
 """OpenAI request schemas of the HTTP server, and what they mean for the engine.
 
-Pydantic checks shapes and types (a failure is a 400 naming the field); the value ranges are
-checked once, by `SamplingParams` and the chat encoder, whose ValueErrors also become 400s. Fields
-OpenAI does not have are vLLM's extensions with vLLM's names (top_k, min_p, ignore_eos, ...,
-`chat_template_kwargs`). Unknown fields are ignored, as OpenAI and vLLM do.
+Pydantic checks shapes, strict types (as OpenAI's API: "5" and true are not integers, 5.0 is not
+one either) and the bounds that need no model; a failure is a 400 naming the field. What depends on
+the model or the server (top_k and token ids within the vocabulary, prompt lengths, the cap on n)
+is checked by the server, `SamplingParams` and the chat encoder, whose ValueErrors start with the
+field's name and also become 400s. Fields OpenAI does not have are vLLM's extensions with vLLM's
+names (top_k, min_p, ignore_eos, ..., `chat_template_kwargs`). Unknown fields are ignored, as
+vLLM does.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from serve.sampling import SamplingParams
+from serve.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_STOP_STRINGS = 64  # each costs a search per token
+MAX_STOP_CHARS = 1024  # a stream holds back the last (longest stop - 1) characters
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Strict):
     """The fields both completion endpoints share."""
 
     model: str
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1)  # at most the server's --max-n
     stop: str | list[str] | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: int = Field(0, ge=-1)  # at most the vocabulary
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
@@ -69,29 +80,40 @@ class SamplingRequest(BaseModel):
                         skip_special_tokens: bool) -> SamplingParams:
         """The params of one choice. With a seed, choice i samples with seed + i: the n choices of a
         seeded request differ from each other and are reproducible."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=None if self.seed is None else self.seed + choice,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=skip_special_tokens)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=skip_special_tokens,
+            logit_bias=self._logit_bias())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias: keys must be token ids, got {key[:20]!r}")
+            bias[int(key)] = value
+        return bias
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None  # None: up to the context limit
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the context limit
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # "none" turns thinking off, the others set the thinking effort (spec E)
     reasoning_effort: Literal["none", "low", "high", "max"] | None = None
     # the encoder's switches: thinking (alias enable_thinking) and thinking_effort
     chat_template_kwargs: dict[str, Any] | None = None
-    # TESTING ONLY, refused unless the server runs with --enable-test-hooks: the engine's output
-    # tokens are replaced by this text's tokens, to test the output parsers through the server.
-    k3jax_test_forced_output: str | None = None
 
     def chat_sampling_params(self, choice: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -129,19 +151,27 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+class TestHookChatRequest(ChatCompletionRequest):
+    """TESTING ONLY, the chat schema of a server started with --enable-test-hooks (elsewhere the
+    field is unknown, hence ignored): the engine's output tokens are replaced by this text's tokens,
+    to test the output parsers through the server."""
+
+    k3jax_test_forced_output: str | None = None
+
+
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)  # only best_of == n: every generated choice is returned
 
     def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: text, or token ids."""
+        """One entry per prompt: text, or token ids; none of them empty."""
         prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        if not prompt:
-            raise ValueError("prompt: must not be empty")
-        return list(prompt)
+        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompt: must not be empty (nor hold an empty prompt)")
+        return prompts
 
     def completion_sampling_params(self, choice: int) -> SamplingParams:
         return self.sampling_params(choice, max_tokens=self.max_tokens, logprobs=self.logprobs,

@@ -6,6 +6,12 @@ thread-safe inbox, in order (an abort never overtakes its submission); the threa
 output to its submitter's asyncio queue with `loop.call_soon_threadsafe`. The requests in the
 engine are bounded (the running batch plus `max_queued_requests` waiting), so a flood of requests
 is answered with 503s instead of growing memory.
+
+Outputs travel as deltas (what each step added), so a request's output is copied once, not once
+per step. The engine thread never waits for a reader: a group whose reader leaves more than
+`max_backlog` outputs unread for longer than `stall_timeout_s` is aborted, which bounds what a
+stalled client can make the server hold. A request that fails alone (finish_reason "error") fails
+its group with RequestFailed; the others go on.
 """
 
 from __future__ import annotations
@@ -33,9 +39,16 @@ class EngineDead(Exception):
     """The engine thread has stopped; nothing more will be served."""
 
 
+class RequestFailed(Exception):
+    """A request of the group failed in the engine (details in the server log) or was aborted."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine, *, max_queued_requests: int, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Engine, *, max_queued_requests: int, metrics: ServerMetrics | None = None,
+                 max_backlog: int = 256, stall_timeout_s: float = 30.0):
         self.engine = engine
+        self.max_backlog = max_backlog  # unread outputs of a group before its stall clock starts
+        self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics or ServerMetrics()
         self.capacity = engine.options.max_num_seqs + max_queued_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -54,6 +67,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.options.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
     def start(self) -> None:
         self._thread.start()
 
@@ -71,7 +88,7 @@ class AsyncEngine:
         if not self.is_alive():
             raise EngineDead("the engine has stopped")
         if len(requests) > self.capacity:
-            raise ValueError(f"{len(requests)} sequences in one request; this server holds at most "
+            raise ValueError(f"n: {len(requests)} sequences in one request; this server holds at most "
                              f"{self.capacity} at once")
         with self._lock:
             if self._num_requests + len(requests) > self.capacity:
@@ -84,6 +101,7 @@ class AsyncEngine:
         self._inbox.put(_Submit(group, requests))
         try:
             accepted = await group.queue.get()
+            group.taken += 1
         except asyncio.CancelledError:  # the client left while we waited: take the requests back out
             group.abort()
             raise
@@ -105,7 +123,7 @@ class AsyncEngine:
                     else:
                         self._abort(command)
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    self._deliver(self.engine.step(deltas=True))
             except Exception as error:  # an engine bug: fail what is in flight, keep serving new requests
                 logger.exception("engine step failed; failing the %d requests in flight", len(self._requests))
                 self._fail_all(error)
@@ -150,7 +168,10 @@ class AsyncEngine:
             tracked = self._requests.get(output.request_id)
             if tracked is None:
                 continue
-            new_tokens = len(output.token_ids) - tracked.num_tokens
+            if output.finish_reason == "error":
+                self._fail_group(tracked.group, "error", "the request failed while generating; see the server log")
+                continue
+            new_tokens = len(output.token_ids)
             if new_tokens:
                 if tracked.num_tokens == 0:
                     self.metrics.time_to_first_token.observe(now - tracked.group.arrival)
@@ -159,17 +180,40 @@ class AsyncEngine:
                     for _ in range(new_tokens):
                         self.metrics.inter_token_latency.observe((now - tracked.last_token_time) / new_tokens)
                 self.metrics.generation_tokens.inc(new_tokens)
-                tracked.num_tokens, tracked.last_token_time = len(output.token_ids), now
+                tracked.num_tokens, tracked.last_token_time = tracked.num_tokens + new_tokens, now
             tracked.group.post((tracked.index, output))
             if output.finished:
                 del self._requests[output.request_id]
                 self.metrics.requests_finished.labels(output.finish_reason).inc()
                 self._release(1)
+            elif self._stalled(tracked.group, now):
+                logger.warning("aborting a request whose client left %d outputs unread for %.0f s",
+                               tracked.group.backlog, self.stall_timeout_s)
+                self._fail_group(tracked.group, "abort", f"the client did not read its stream for "
+                                                         f"{self.stall_timeout_s:g} s")
+
+    def _stalled(self, group: RequestGroup, now: float) -> bool:
+        """Whether the group's reader has left more than max_backlog outputs unread for too long."""
+        if group.backlog <= self.max_backlog:
+            group.stalled_since = None
+            return False
+        if group.stalled_since is None:
+            group.stalled_since = now
+        return now - group.stalled_since > self.stall_timeout_s
+
+    def _fail_group(self, group: RequestGroup, reason: str, message: str) -> None:
+        """Ends every request of the group still in the engine; its reader gets RequestFailed."""
+        for request_id in group.request_ids:
+            if self._requests.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+                self.metrics.requests_finished.labels(reason).inc()
+                self._release(1)
+        group.post(RequestFailed(message))
 
     def _fail_all(self, error: Exception) -> None:
         requests, self._requests = self._requests, {}
         for request_id, tracked in requests.items():
-            tracked.group.post(error)
+            tracked.group.post(RequestFailed("the engine failed; see the server log"))
             self.engine.abort(request_id)
         self._release(len(requests))
 
@@ -190,9 +234,17 @@ class RequestGroup:
         self._inbox = inbox
         self._loop = loop
         self._unfinished = set(range(len(request_ids)))
+        # Outputs posted (written by the engine thread) and taken (by the reader); each int has one writer.
+        self.posted = self.taken = 0
+        self.stalled_since: float | None = None  # engine thread: since when the backlog is over its bound
+
+    @property
+    def backlog(self) -> int:
+        return self.posted - self.taken
 
     def post(self, item) -> None:
         """Hands an item to the group's queue (from the engine thread)."""
+        self.posted += 1
         try:
             self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the submitter's event loop has closed: nobody is waiting for the item
@@ -201,6 +253,7 @@ class RequestGroup:
     async def __aiter__(self):
         while self._unfinished:
             item = await self.queue.get()
+            self.taken += 1
             if isinstance(item, BaseException):
                 raise item
             index, output = item

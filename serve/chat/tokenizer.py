@@ -50,6 +50,8 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.special_ids = frozenset(special_tokens.values())
         self.vocab_size = len(mergeable_ranks) + len(special_tokens)
+        # The longest text a token covers: n bytes (or characters) of text are at least n / this tokens.
+        self.max_token_bytes = max(map(len, mergeable_ranks), default=1)
         self.bos_token_id = special_tokens.get(bos_token) if bos_token else None
         ends = {special_tokens.get(END_OF_MESSAGE), special_tokens.get(eos_token) if eos_token else None}
         self.eos_token_ids = frozenset({i for i in ends if i is not None} | set(extra_eos_token_ids))

@@ -1,6 +1,8 @@
 """The engine thread of the server (`serve.async_engine`) over a scripted engine, without a model:
-results reach the event loop, the queue bound gives QueueFull, aborts free capacity, a rejected
-prompt rejects its whole group, and a failing step fails only the requests in flight."""
+results reach the event loop as deltas, the queue bound gives QueueFull, aborts free capacity, a
+rejected prompt rejects its whole group, a failing step fails only the requests in flight, a request
+the engine failed alone fails only its group, and a reader that stops reading is aborted after the
+stall timeout with its backlog bounded."""
 
 import asyncio
 import time
@@ -8,17 +10,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve.async_engine import AsyncEngine, QueueFull
+from serve.async_engine import AsyncEngine, QueueFull, RequestFailed
 from serve.engine import RequestOutput
 from serve.sampling import SamplingParams
 
 BROKEN = [666]  # a prompt whose step raises
+FAILING = [667]  # a prompt the engine fails alone (finish_reason "error")
+SECRET = [668]  # a prompt whose admission raises an unexpected error
 
 
 class ScriptedEngine:
     """One token per step per request, up to max_tokens (None: forever)."""
 
     options = SimpleNamespace(max_num_seqs=2, max_model_len=64)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=1000))
     tokenizer = None
     prefix_cache = None
     speculator = None
@@ -31,6 +36,8 @@ class ScriptedEngine:
         self.requests = {}
 
     def add_request(self, prompt, params, request_id):
+        if prompt == SECRET:
+            raise RuntimeError("secret internal detail")
         if not prompt:
             raise ValueError("the prompt is empty")
         self.requests[request_id] = (prompt, params, [])
@@ -41,7 +48,7 @@ class ScriptedEngine:
     def has_unfinished(self):
         return bool(self.requests)
 
-    def step(self):
+    def step(self, deltas=False):
         time.sleep(0.001)
         outputs = []
         for request_id, (prompt, params, tokens) in list(self.requests.items()):
@@ -49,16 +56,17 @@ class ScriptedEngine:
                 raise RuntimeError("a broken step")
             tokens.append(len(tokens))
             finished = len(tokens) == params.max_tokens
-            if finished:
+            reason = "error" if prompt == FAILING else "length" if finished else None
+            if reason is not None:
                 del self.requests[request_id]
-            outputs.append(RequestOutput(request_id, prompt, list(tokens), "length" if finished else None))
+            outputs.append(RequestOutput(request_id, prompt, tokens[-1:] if deltas else list(tokens), reason))
         return outputs
 
 
-def run(test):
+def run(test, **options):
     """Runs `test(engine)` on a started AsyncEngine (2 running + 1 queued) and stops it."""
     scripted = ScriptedEngine()
-    engine = AsyncEngine(scripted, max_queued_requests=1)
+    engine = AsyncEngine(scripted, max_queued_requests=1, **options)
     engine.start()
     try:
         asyncio.run(test(engine))
@@ -79,7 +87,15 @@ async def submit_when_room(engine, requests, timeout_s=10):
 
 
 async def finals(group) -> dict[int, RequestOutput]:
-    return {index: output async for index, output in group if output.finished}
+    """Each request's output, its deltas joined."""
+    joined = {}
+    async for index, delta in group:
+        if index in joined:
+            joined[index].token_ids += delta.token_ids
+            joined[index].finish_reason = delta.finish_reason
+        else:
+            joined[index] = delta
+    return joined
 
 
 def test_outputs_of_a_group_reach_the_event_loop():
@@ -120,9 +136,59 @@ def test_a_rejected_prompt_rejects_its_group():
 def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on():
     async def test(engine):
         broken = await engine.submit([(BROKEN, SamplingParams(max_tokens=4))])
-        with pytest.raises(RuntimeError, match="a broken step"):
+        with pytest.raises(RequestFailed, match="engine failed"):
             await finals(broken)
         group = await engine.submit([([1], SamplingParams(max_tokens=2))])
         assert (await finals(group))[0].token_ids == [0, 1] and engine.is_alive()
 
     run(test)
+
+
+def test_a_request_the_engine_failed_fails_its_group_alone():
+    async def test(engine):
+        other = await engine.submit([([1], SamplingParams(max_tokens=6))])
+        failing = await engine.submit([(FAILING, SamplingParams(max_tokens=6)), ([2], SamplingParams(max_tokens=None))])
+        with pytest.raises(RequestFailed, match="failed while generating"):
+            await finals(failing)
+        assert (await finals(other))[0].token_ids == list(range(6))
+
+    assert run(test).requests == {}  # the failing group's other request was aborted
+
+
+def test_a_reader_that_stops_reading_is_aborted_with_a_bounded_backlog():
+    async def test(engine):
+        stalled = await engine.submit([([1], SamplingParams(max_tokens=None))])
+        reading = await engine.submit([([2], SamplingParams(max_tokens=200))])
+        assert len((await finals(reading))[0].token_ids) == 200  # while the other reader sleeps
+        deadline = time.monotonic() + 10
+        while "0-0" in engine.engine.requests:
+            assert time.monotonic() < deadline, "the stalled request was never aborted"
+            assert stalled.backlog <= 4 + 0.5 / 0.001  # the bound, plus what a step every ms adds in the timeout
+            await asyncio.sleep(0.01)
+        with pytest.raises(RequestFailed, match="did not read"):
+            await finals(stalled)
+        assert engine.metrics.registry.get_sample_value("k3jax:request_success_total",
+                                                        {"finished_reason": "abort"}) == 1
+
+    run(test, max_backlog=4, stall_timeout_s=0.5)
+
+
+def test_no_response_carries_exception_text():
+    """500s and stream error events say what failed in the API's words; the exception's own text
+    (internal names, paths, values) goes to the server log only."""
+    from fastapi.testclient import TestClient
+
+    from serve.api_server import ServerConfig, build_app
+
+    engine = AsyncEngine(ScriptedEngine(), max_queued_requests=1)
+    app = build_app(engine, ServerConfig(model_name="m", model_path="/m"))
+    with TestClient(app, raise_server_exceptions=False) as client:  # the server logs them; a client sees a 500
+        for prompt in (BROKEN, SECRET):
+            response = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 3})
+            error = response.json()["error"]
+            assert response.status_code == 500 and error["type"] == "server_error", error
+            assert "broken" not in error["message"] and "secret" not in error["message"]
+        streamed = client.post("/v1/completions", json={"model": "m", "prompt": BROKEN, "max_tokens": 3,
+                                                        "stream": True})
+        assert '"server_error"' in streamed.text and "broken" not in streamed.text
+        assert streamed.text.endswith("data: [DONE]\n\n")
