@@ -4,6 +4,10 @@ k3-tiny, driven by the official `openai` client (raw HTTP where the client canno
 One server for the module (xdist's loadscope keeps the module on one worker), with small engine
 options so that it compiles few step shapes: 2 running sequences, 16-token prefill chunks, 32 more
 requests queued.
+
+Tests that compare the outputs of two greedy requests run each alone (`wait_idle` first): the same
+step programs on the same inputs, hence bit-identical results. Outputs of other batch shapes add in
+other orders; they are compared only on prompts whose margins tests/agreement.py certifies.
 """
 
 import concurrent.futures
@@ -19,6 +23,10 @@ import urllib.request
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+import k3jax
+from serve.llm import default_model_dir, load_tokenizer
+from tests.agreement import Referee
 
 API_KEY = "test-key"
 MODEL = "k3-tiny"
@@ -39,8 +47,9 @@ TOOL_CALL_OUTPUT = ('Need weather.<|close|>think<|sep|><|open|>response<|sep|><|
 
 
 class Server:
-    def __init__(self, url: str):
+    def __init__(self, url: str, cache: str | None = None):
         self.url = url  # http://host:port/v1
+        self.cache = cache  # the server's K3JAX_CACHE: where its model is
         self.host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
         self.port = int(port)
 
@@ -69,7 +78,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "K3JAX_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    cache = str(tmp_path_factory.mktemp("cache"))
+    env = {**os.environ, "K3JAX_CACHE": cache}
     command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--api-key", API_KEY,
                "--max-model-len", "1024", "--max-num-seqs", str(MAX_RUNNING), "--max-num-batched-tokens", "16",
                "--max-num-partial-prefills", "1", "--max-queued-requests", str(MAX_QUEUED),
@@ -79,7 +89,7 @@ def server(tmp_path_factory):
                                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     try:
         url = _wait_for_url(process, log)
-        yield Server(url)
+        yield Server(url, cache)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -116,18 +126,30 @@ def streamed_chat(server, **kwargs) -> tuple[dict, list]:
     return joined, chunks
 
 
-def assert_pool_full_and_serving(server):
-    """Every page and slot back in the free lists (polled: aborts are processed between steps), and a
-    new request completes."""
+def wait_idle(server, *, pool_full: bool = False) -> None:
+    """Polls /metrics until no request runs or waits (aborts are processed between steps), and with
+    `pool_full` until every page and slot is back in the free lists."""
     deadline = time.monotonic() + 60
     while True:
         m = server.metrics()
         idle = m["k3jax:num_requests_running"] == 0 and m["k3jax:num_requests_waiting"] == 0
-        if idle and m["k3jax:cache_free_pages"] == m["k3jax:cache_pages"] \
-                and m["k3jax:cache_free_slots"] == m["k3jax:cache_slots"]:
-            break
-        assert time.monotonic() < deadline, f"the cache pool did not come back: {m}"
-        time.sleep(0.2)
+        if idle and (not pool_full or (m["k3jax:cache_free_pages"] == m["k3jax:cache_pages"]
+                                       and m["k3jax:cache_free_slots"] == m["k3jax:cache_slots"])):
+            return
+        assert time.monotonic() < deadline, f"the server did not become idle: {m}"
+        time.sleep(0.05)
+
+
+def alone(server, request, **kwargs):
+    """`request(server, **kwargs)` once the server is idle: it runs alone, as one row of the step
+    shapes a lone request gets."""
+    wait_idle(server)
+    return request(server, **kwargs)
+
+
+def assert_pool_full_and_serving(server):
+    """Every page and slot back in the free lists, and a new request completes."""
+    wait_idle(server, pool_full=True)
     assert chat(server, max_tokens=3, temperature=0, extra_body=LONG).usage.completion_tokens == 3
 
 
@@ -137,10 +159,10 @@ def test_models_and_health(server):
 
 
 def test_greedy_chat_stream_equals_non_stream(server):
-    whole = chat(server, max_tokens=12, temperature=0, extra_body=LONG)
+    whole = alone(server, chat, max_tokens=12, temperature=0, extra_body=LONG)
     message = whole.choices[0].message
-    joined, chunks = streamed_chat(server, max_tokens=12, temperature=0, extra_body=LONG,
-                                   stream_options={"include_usage": True})
+    joined, chunks = alone(server, streamed_chat, max_tokens=12, temperature=0, extra_body=LONG,
+                           stream_options={"include_usage": True})
     assert joined["reasoning_content"] == (message.reasoning_content or "")
     assert joined["content"] == (message.content or "")
     assert joined["finish_reason"] == whole.choices[0].finish_reason == "length"
@@ -149,25 +171,52 @@ def test_greedy_chat_stream_equals_non_stream(server):
     assert whole.usage.completion_tokens == 12
 
 
-def test_completions_whole_stream_batch_and_logprobs(server):
+@pytest.fixture(scope="module")
+def referee(server):
+    """The reference of tests/agreement.py over the server's own model (fp32, as the server runs it)."""
+    previous = os.environ.get("K3JAX_CACHE")
+    os.environ["K3JAX_CACHE"] = server.cache
+    try:
+        path = default_model_dir()
+    finally:
+        if previous is None:
+            del os.environ["K3JAX_CACHE"]
+        else:
+            os.environ["K3JAX_CACHE"] = previous
+    return Referee(k3jax.from_pretrained(path, dtype="float32"), pad=16), load_tokenizer(path)
+
+
+def test_completions_whole_stream_batch_and_logprobs(server, referee):
+    referee, tokenizer = referee
     client = server.client()
-    whole = client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0, logprobs=2,
-                                      extra_body=LONG)
+    args = {"model": MODEL, "max_tokens": 6, "temperature": 0, "extra_body": LONG}
+    whole = alone(server, lambda _: client.completions.create(prompt="abc", logprobs=2, **args))
     choice = whole.choices[0]
     assert choice.finish_reason == "length" and whole.usage.completion_tokens == 6
     assert len(choice.logprobs.tokens) == 6 and all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
-    streamed = client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0, stream=True,
-                                         extra_body=LONG)
-    assert "".join(c.choices[0].text for c in streamed) == choice.text
-    batch = client.completions.create(model=MODEL, prompt=[[104, 101, 108, 108, 111], [104, 105]], max_tokens=6,
-                                      temperature=0, n=2, extra_body=LONG)
+    streamed = alone(server, lambda _: client.completions.create(prompt="abc", stream=True, **args))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text  # alone too: bit-identical
+    # A batch of 4 rows runs other programs than a request alone, so its greedy tokens equal the
+    # lone request's only where the margins exceed what rounding can move: the referee's greedy
+    # continuation of "abc" must be stable for all 6 tokens (it is for this model; "hello" is not,
+    # and "tokens" not even for one), and then every path within fp32's tolerance gives exactly
+    # those tokens.
+    prompt = [97, 98, 99]  # the token ids of "abc"
+    assert tokenizer.encode("abc") == prompt
+    reference = []
+    for _ in range(6):
+        reference.append(int(referee.run(prompt + reference).logits[-1].argmax()))
+    assert referee.stable_prefix(prompt, reference) == 6
+    assert choice.text == tokenizer.decode(reference, skip_special_tokens=True)
+    batch = client.completions.create(prompt=[prompt, [104, 105]], n=2, **args)
     texts = {c.index: c.text for c in batch.choices}
-    assert sorted(texts) == [0, 1, 2, 3] and texts[0] == texts[1] == choice.text  # token ids of "hello"
+    assert sorted(texts) == [0, 1, 2, 3] and texts[0] == texts[1] == choice.text
 
 
 def test_seeded_choices_differ_and_repeat(server):
-    def run():
-        return [c.message.reasoning_content for c in chat(server, n=3, max_tokens=8, seed=7, extra_body=LONG).choices]
+    def run():  # alone: the same steps, so the same draws (seeded rows do not depend on their neighbours)
+        choices = alone(server, chat, n=3, max_tokens=8, seed=7, extra_body=LONG).choices
+        return [c.message.reasoning_content for c in choices]
     first = run()
     assert first == run() and len(set(first)) > 1
 
@@ -181,10 +230,10 @@ def test_chat_logprobs(server):
 
 def test_stop_string_cuts_stream_and_whole_alike(server):
     kwargs = {"max_tokens": 12, "temperature": 0, "extra_body": {**LONG, "chat_template_kwargs": {"thinking": False}}}
-    text = chat(server, **kwargs).choices[0].message.content
+    text = alone(server, chat, **kwargs).choices[0].message.content
     stop = text[3:5]
-    whole = chat(server, stop=[stop], **kwargs).choices[0]
-    joined, _ = streamed_chat(server, stop=[stop], **kwargs)
+    whole = alone(server, chat, stop=[stop], **kwargs).choices[0]
+    joined, _ = alone(server, streamed_chat, stop=[stop], **kwargs)
     assert whole.finish_reason == joined["finish_reason"] == "stop"
     assert whole.message.content == joined["content"] == text[:text.find(stop)]
 

@@ -12,7 +12,7 @@ import pytest
 
 from convert import synth
 from k3jax.serve import parse_args
-from tests.serve.test_server import API_KEY, LONG, MODEL, Server, _wait_for_url
+from tests.serve.test_server import API_KEY, LONG, MODEL, Server, _wait_for_url, wait_idle
 
 K = 3
 
@@ -41,10 +41,15 @@ def server(tmp_path_factory):
 def test_speculative_server_streams_what_it_returns_and_counts_drafts(server):
     client = server.client()
     args = {"model": MODEL, "prompt": "speculate", "max_tokens": 12, "temperature": 0.0, "extra_body": LONG}
-    whole = client.completions.create(**args)
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **args))
+
+    def alone(**kwargs):  # each compared request alone: the same programs on the same inputs, bit-identical
+        wait_idle(server)
+        return client.completions.create(**{**args, **kwargs})
+
+    whole = alone()
+    streamed = "".join(chunk.choices[0].text for chunk in alone(stream=True))
     assert whole.usage.completion_tokens == 12 and streamed == whole.choices[0].text
-    sampled = [client.completions.create(**{**args, "temperature": 1.0, "seed": 3}) for _ in range(2)]
+    sampled = [alone(temperature=1.0, seed=3) for _ in range(2)]
     assert sampled[0].usage.completion_tokens == 12 and sampled[0].choices[0].text == sampled[1].choices[0].text
 
     metrics = server.metrics()
