@@ -8,7 +8,7 @@ The model is one device's slice of K3 at TP8 (12 KDA heads of 128, 12 MLA heads 
 hidden 7168, MXFP4 LatentMoE) cut to 4 layers (dense + KDA, KDA, KDA, MLA) and 32 experts, in bf16.
 ROWS prompts of PROMPT tokens are prefilled in one step, then DECODE steps run teacher-forced on
 the fp32 run's greedy tokens (so a near-tie flip cannot make the runs diverge), and every token is
-routed to the same experts (`convert.synth.fixed_routing`: otherwise bf16 rounding flips expert choices of
+routed to the same experts (`K3Model.with_fixed_routing`: otherwise bf16 rounding flips expert choices of
 random weights, and the first GPU run saw the two bf16 paths 0.1 of the largest logit apart). What
 the check holds the kernels to is the fp32 reference: their error from it may not exceed twice the
 XLA paths' plus 1% of the largest logit.
@@ -31,7 +31,6 @@ from flax import nnx
 
 from benchmarks.report import report
 from benchmarks.timing import relative_error
-from convert import synth
 from k3jax.config import K3Config
 from k3jax.decoder import PagedState, init_pools
 from k3jax.hlo import materialised_buffers
@@ -113,7 +112,7 @@ def main() -> None:
         print(f"gpu_check_model needs a GPU (backend: {jax.default_backend()}); tests/k3jax/test_paged_decode.py "
               "runs the same comparison in interpret mode")
         return
-    model = synth.fixed_routing(K3Model.random(config(), dtype="bfloat16", seed=0))
+    model = K3Model.random(config(), dtype="bfloat16", seed=0).with_fixed_routing()
     with jax.default_matmul_precision("float32"):  # no TF32 in the reference
         exact_logits, _ = run("xla", fp32_copy(model), (make_step(), make_step()))
     steps = {impl: (make_step(), make_step()) for impl in ("xla", "pallas")}

@@ -18,6 +18,7 @@ import dataclasses
 import math
 
 from k3jax.config import DENSE, KDA, K3Config
+from pallas_kernels.mxfp4_format import GROUP
 
 BF16, F32, U8 = "BF16", "F32", "U8"
 
@@ -141,7 +142,7 @@ def _moe_rules(cfg: K3Config) -> list[Rule]:
         base = (*m.rstrip(".").split("."), "experts", w)
         if cfg.experts_mxfp4:
             rules += [Rule(m + f"experts.{{e}}.{w}.weight_packed", (out_f, in_f // 2), U8, (*base, "packed"), "experts"),
-                      Rule(m + f"experts.{{e}}.{w}.weight_scale", (out_f, in_f // 32), U8, (*base, "scales"), "experts")]
+                      Rule(m + f"experts.{{e}}.{w}.weight_scale", (out_f, in_f // GROUP), U8, (*base, "scales"), "experts")]
         else:
             rules.append(Rule(m + f"experts.{{e}}.{w}.weight", (out_f, in_f), BF16, base, "experts"))
     return rules

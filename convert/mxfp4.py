@@ -1,19 +1,14 @@
-"""MXFP4 (OCP MX: E2M1 elements sharing one E8M0 scale per 32) on the host, in NumPy only.
-
-Layout of compressed-tensors "mxfp4-pack-quantized" checkpoints: a logical [..., out, in] weight is
-`packed` uint8 [..., out, in/2] (two codes per byte along `in`, low nibble = even input index) and
-`scales` uint8 [..., out, in/32] (scale = 2**(byte - 127)). E2M1 codes 0..7 are 0, 0.5, 1, 1.5, 2,
-3, 4, 6; codes 8..15 are the same magnitudes with the sign bit set (code 8 is -0).
+"""MXFP4 on the host, in NumPy only: quantize and dequantize in the layout and with the constants
+of `pallas_kernels/mxfp4_format.py` (the format's one definition).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-GROUP = 32
-_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-_E2M1 = np.concatenate([_MAGNITUDES, -_MAGNITUDES])  # code -> value
-_BYTE_VALUES = np.stack([_E2M1[np.arange(256) & 0xF], _E2M1[np.arange(256) >> 4]], axis=-1)  # byte -> (lo, hi)
+from pallas_kernels.mxfp4_format import BYTE_VALUES, E2M1_VALUES, GROUP
+
+_MAGNITUDES = E2M1_VALUES[:8]
 _CODE_OF_TWICE = np.zeros(13, np.uint8)  # 2 * magnitude -> code
 _CODE_OF_TWICE[(2 * _MAGNITUDES).astype(int)] = np.arange(8)
 _EMAX = 2  # exponent of the largest E2M1 binade (4 and 6)
@@ -36,7 +31,7 @@ def dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
         raise ValueError(f"scales has shape {scales.shape} but packed {packed.shape} holds {width} inputs per row: "
                          f"expected groups of {GROUP} inputs and scales of shape {want}")
     byte = scales.astype(np.int32)[..., None]
-    values = _BYTE_VALUES[packed].reshape(*packed.shape[:-1], width // GROUP, GROUP)
+    values = BYTE_VALUES[packed].reshape(*packed.shape[:-1], width // GROUP, GROUP)
     with np.errstate(over="ignore", invalid="ignore"):  # the +-inf / NaN documented above
         scale = np.where(byte == 255, np.float32(np.nan), np.ldexp(np.float32(1.0), byte - 127))
         values = values * scale
@@ -77,9 +72,3 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.astype(np.uint8), (exponent + 127).astype(np.uint8)
 
-
-def random_scale_byte(fan_in: int) -> int:
-    """The E8M0 byte that gives uniformly random E2M1 codes (RMS ~2.93) a fan-in scaled std, for
-    synthetic and randomly initialised MXFP4 weights."""
-    rms = float(np.sqrt(np.mean(_E2M1 ** 2)))
-    return 127 + int(round(np.log2(fan_in ** -0.5 / rms)))

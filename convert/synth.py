@@ -12,17 +12,15 @@ import itertools
 import json
 import os
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
 from safetensors.numpy import save_file
 
-from convert import layout, mxfp4
+from convert import layout
 from convert.dspark_layout import draft_tensors
 from k3jax.config import K3Config
 from k3jax.dspark_config import DSparkConfig
-from k3jax.model import K3Model
+from pallas_kernels.mxfp4_format import GROUP, random_scale_byte
 
 _NUMPY_DTYPES = {layout.BF16: ml_dtypes.bfloat16, layout.F32: np.float32, layout.U8: np.uint8}
 MAX_SYNTHETIC_BYTES = 8 * 10**9
@@ -33,7 +31,7 @@ def synthetic_tensor(name: str, rule: layout.Rule, rng: np.random.Generator) -> 
     if rule.dtype == layout.U8:  # MXFP4: random codes, one power-of-two scale per 32 inputs
         if name.endswith("weight_packed"):
             return rng.integers(0, 256, size=shape, dtype=np.uint8)
-        return np.full(shape, mxfp4.random_scale_byte(shape[-1] * 32), np.uint8)
+        return np.full(shape, random_scale_byte(shape[-1] * GROUP), np.uint8)
     if name.endswith("A_log"):
         value = np.log(rng.uniform(1.0, 16.0, size=shape))
     elif name.endswith("dt_bias"):
@@ -69,7 +67,7 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
     rng = np.random.default_rng(seed)
     tensors = ((n, synthetic_tensor(n, r, rng)) for n, r in layout.all_tensors(cfg).items())
     if fixed_routing:
-        tensors = ((n, _fixed_bias(t) if n.endswith("e_score_correction_bias") else t) for n, t in tensors)
+        tensors = ((n, fixed_router_bias(t) if n.endswith("e_score_correction_bias") else t) for n, t in tensors)
     if cfg.model_type == "kimi_k3":
         tensors = itertools.chain(tensors, vision_tensors(cfg, rng).items())
     _save_shards(out_dir, tensors, shard_bytes)
@@ -79,21 +77,10 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
     return cfg
 
 
-def _fixed_bias(bias):
+def fixed_router_bias(bias: np.ndarray) -> np.ndarray:
+    """Router correction biases E, E - 1, ..., 1 in `bias`'s shape and dtype (write_checkpoint's
+    fixed_routing; K3Model.with_fixed_routing for a model built in memory)."""
     return np.arange(bias.shape[-1], 0, -1).astype(bias.dtype)
-
-
-def fixed_routing(model: K3Model) -> K3Model:
-    """`model` with the correction biases of write_checkpoint's fixed_routing: every token takes the
-    same experts by margins of 1. Two numeric paths (bf16 against fp32, a kernel against XLA, a window
-    against token-by-token decode) then route alike; with the random scores' near-ties a rounding
-    flips expert choices and moves every later value by far more than rounding."""
-    def fix(path, v):
-        if path[-2:] == ("gate", "e_score_correction_bias"):
-            return v.replace(jnp.asarray(_fixed_bias(v.get_value())))
-        return v
-    return K3Model(model.config, model.graphdef, nnx.from_flat_state([(k, fix(k, v)) for k, v in nnx.to_flat_state(model.params)]),
-                   model.mesh)
 
 
 def write_draft_checkpoint(out_dir: str | os.PathLike, draft_config: dict, *, seed: int = 0,

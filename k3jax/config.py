@@ -20,12 +20,13 @@ import math
 import os
 from typing import Any
 
+from pallas_kernels.mxfp4_format import GROUP
+
 KDA = "kda"
 MLA = "mla"
 DENSE = "dense"
 MOE = "moe"
 
-MXFP4_GROUP_SIZE = 32
 # vLLM and SGLang hard-code the K3 KDA output-norm eps (not read from the config); Kimi Linear's
 # reference implementations (transformers, the released modeling code) use rms_norm_eps there.
 K3_KDA_OUTPUT_NORM_EPS = 1e-5
@@ -294,9 +295,9 @@ def _experts_are_mxfp4(qc: dict | None) -> bool:
     if "mxfp4-pack-quantized" in formats or qc.get("quant_method") == "mxfp4":
         for g in groups.values():
             w = (g or {}).get("weights") or {}
-            if w.get("group_size", MXFP4_GROUP_SIZE) != MXFP4_GROUP_SIZE or w.get("num_bits", 4) != 4:
+            if w.get("group_size", GROUP) != GROUP or w.get("num_bits", 4) != 4:
                 raise ConfigError(f"quantization_config group has weights {w}; MXFP4 needs num_bits 4, "
-                                  f"group_size {MXFP4_GROUP_SIZE}")
+                                  f"group_size {GROUP}")
         return True
     raise ConfigError(f"quantization_config {qc.get('quant_method')!r}/{fmt!r} is not supported "
                       "(only compressed-tensors mxfp4-pack-quantized routed experts)")
@@ -359,6 +360,6 @@ def _validate_moe(c: K3Config, positive) -> None:
     if c.experts_mxfp4:
         for key, width in (("routed_expert_hidden_size" if c.latent_moe else "hidden_size", c.moe_input_size),
                            ("moe_intermediate_size", c.moe_intermediate_size)):
-            if width % MXFP4_GROUP_SIZE:
-                raise ConfigError(f"MXFP4 group size {MXFP4_GROUP_SIZE} does not divide {key}={width} "
+            if width % GROUP:
+                raise ConfigError(f"MXFP4 group size {GROUP} does not divide {key}={width} "
                                   "(an expert input width)")

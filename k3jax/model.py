@@ -11,6 +11,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from convert.synth import fixed_router_bias
 from k3jax.config import K3Config
 from k3jax.decoder import DecodeState, K3Transformer, init_cache
 from k3jax.placement import cache_shardings, check_mesh, place_params, put
@@ -84,6 +85,19 @@ class K3Model:
         """Randomly initialised weights (tests, notebooks, benchmarks); `mesh` as in from_pretrained."""
         module = K3Transformer(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed))
         return cls.from_module(module, make_mesh(mesh) if isinstance(mesh, str) else mesh)
+
+    def with_fixed_routing(self) -> "K3Model":
+        """This model with the router correction biases of a synthetic checkpoint written with
+        fixed_routing: every token takes the same experts by margins of 1. Two numeric paths (bf16
+        against fp32, a kernel against XLA, a window against token-by-token decode) then route alike;
+        with the random scores' near-ties a rounding flips expert choices and moves every later value
+        by far more than rounding."""
+        def fix(path, v):
+            if path[-2:] == ("gate", "e_score_correction_bias"):
+                return v.replace(jnp.asarray(fixed_router_bias(np.asarray(v.get_value()))))
+            return v
+        params = nnx.from_flat_state([(k, fix(k, v)) for k, v in nnx.to_flat_state(self.params)])
+        return K3Model(self.config, self.graphdef, params, self.mesh)
 
     @property
     def dtype(self):

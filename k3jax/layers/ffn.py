@@ -7,14 +7,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from convert.mxfp4 import random_scale_byte
 from k3jax.config import K3Config
 from k3jax.layers.common import Linear, RMSNorm, param
 from pallas_kernels import moe as moe_ops
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import Mxfp4Tensor
+from pallas_kernels.mxfp4_format import GROUP, random_scale_byte
 from sharding.expert_parallel import context_mesh, expert_parallel_moe
-
 
 
 def gated_activation(cfg: K3Config) -> GatedActivation:
@@ -71,10 +70,10 @@ def _expert_weight(cfg, shape, axes, dtype, rngs):
         return param(rngs, shape, axes, dtype, stddev=inp ** -0.5)
     if rngs is None:
         codes = jnp.zeros((e, out, inp // 2), jnp.uint8)
-        scales = jnp.full((e, out, inp // 32), 127, jnp.uint8)
+        scales = jnp.full((e, out, inp // GROUP), 127, jnp.uint8)
     else:  # random codes with a power-of-two scale giving roughly fan-in-scaled weights
         codes = jax.random.randint(rngs.params(), (e, out, inp // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        scales = jnp.full((e, out, inp // 32), random_scale_byte(inp), jnp.uint8)
+        scales = jnp.full((e, out, inp // GROUP), random_scale_byte(inp), jnp.uint8)
     return Mxfp4Tensor(nnx.Param(codes, logical_axes=axes), nnx.Param(scales, logical_axes=axes))
 
 

@@ -1,9 +1,6 @@
 """MXFP4 weights as stored by compressed-tensors ("mxfp4-pack-quantized"), decoded on device.
 
-A logical [..., out, in] weight is `packed` uint8 [..., out, in/2], two E2M1 codes per byte along
-the input axis (low nibble = even input index, high nibble = odd), and `scales` uint8
-[..., out, in/32], one E8M0 exponent byte per 32 consecutive inputs (scale = 2**(byte - 127)).
-E2M1 codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 the same with the sign bit set.
+The layout and constants are `pallas_kernels/mxfp4_format.py`'s.
 """
 
 from __future__ import annotations
@@ -12,15 +9,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-GROUP = 32
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                       np.float32)
-# byte -> (value of the low nibble, value of the high nibble). One gather per byte decodes both
-# codes; on XLA:CPU this measured 2-2.5x faster than splitting nibbles into a 16-entry table and
-# as fast as or faster than bitcasting to float4_e2m1fn (0.9-1.3x, on a shared machine).
-_BYTE_VALUES = np.stack([E2M1_VALUES[np.arange(256) & 0xF], E2M1_VALUES[np.arange(256) >> 4]], axis=-1)
+from pallas_kernels.mxfp4_format import BYTE_VALUES, GROUP
 
 
 class Mxfp4Tensor(NamedTuple):
@@ -45,7 +35,10 @@ def dequantize(t: Mxfp4Tensor, dtype=jnp.bfloat16) -> jax.Array:
     """
     _check(t)
     shape = t.shape
-    values = jnp.asarray(_BYTE_VALUES)[t.packed.astype(jnp.int32)]  # [..., out, in/2, 2]
+    # One gather per byte decodes both codes; on XLA:CPU this measured 2-2.5x faster than splitting
+    # nibbles into a 16-entry table and as fast as or faster than bitcasting to float4_e2m1fn
+    # (0.9-1.3x, on a shared machine).
+    values = jnp.asarray(BYTE_VALUES)[t.packed.astype(jnp.int32)]  # [..., out, in/2, 2]
     values = values.reshape(*shape[:-1], shape[-1] // GROUP, GROUP)
     byte = t.scales.astype(jnp.int32)[..., None]
     # 2**(byte - 127) written straight into the fp32 exponent field (255 gets a NaN mantissa bit).

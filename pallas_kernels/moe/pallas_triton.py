@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.moe.mxfp4 import GROUP, Mxfp4Tensor
+from pallas_kernels.moe.mxfp4 import Mxfp4Tensor
+from pallas_kernels.mxfp4_format import GROUP
 
 _CONTRACT_LAST = (((1,), (1,)), ((), ()))  # [rows, k] . [n, k] -> [rows, n]
 BLOCK_N = 64  # output columns per program: many programs for the weight-bound decode tiles

@@ -2,7 +2,7 @@
 KDA slot exactly as a plain decode of the accepted tokens would, and tapped hidden states equal the
 residual stream / AttnRes mixture computed layer by layer.
 
-The models route every token to the same experts by wide margins (`synth.fixed_routing`): the paths
+The models route every token to the same experts by wide margins (`K3Model.with_fixed_routing`): the paths
 compared here (a window against token-by-token decodes, eager layers against the jitted forward) add
 in other orders, and the random routers' near-ties would let rounding send a token to other experts
 in one of them (issue 19)."""
@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from convert import synth
 from k3jax import decoder
 from k3jax.decoder import Batch, PagedState, TapSpec, init_pools
 from k3jax.layers import attn_res
@@ -29,7 +28,7 @@ PAGE, PAGES, SLOTS, WIDTH = 4, 24, 4, 8  # page size, pages, KDA slots, page-tab
 @pytest.fixture(scope="module", params=["k3-tiny", "kimi-linear-tiny"])
 def model(request):
     cfg = k3_tiny() if request.param == "k3-tiny" else kimi_linear_tiny()
-    return synth.fixed_routing(K3Model.random(cfg, dtype="float32", seed=0))
+    return K3Model.random(cfg, dtype="float32", seed=0).with_fixed_routing()
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("record", "taps"))
