@@ -11,7 +11,7 @@ vLLM does.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -71,6 +71,15 @@ class SamplingRequest(Strict):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Accepted by OpenAI or vLLM but not served here: refused when set, rather than silently ignored.
+    prompt_logprobs: int | None = None
+    UNSUPPORTED: ClassVar[tuple] = (("prompt_logprobs", None),)  # (field, its value when unused)
+
+    def check_unsupported(self) -> None:
+        """ValueError naming the first field set that this server does not serve."""
+        for field, neutral in self.UNSUPPORTED:
+            if getattr(self, field) != neutral:
+                raise ValueError(f"{field}: not supported by this server")
 
     @property
     def include_usage(self) -> bool:
@@ -114,6 +123,12 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Literal["none", "low", "high", "max"] | None = None
     # the encoder's switches: thinking (alias enable_thinking) and thinking_effort
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no constrained decoding
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise ValueError('response_format: only {"type": "text"} is supported by this server')
 
     def chat_sampling_params(self, choice: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -164,6 +179,10 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1)  # only best_of == n: every generated choice is returned
+    echo: bool = False
+    suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[tuple] = (*SamplingRequest.UNSUPPORTED, ("echo", False), ("suffix", None))
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids; none of them empty."""

@@ -100,6 +100,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, "messages: this model has no tokenizer files, which chat needs; use "
                                 "/v1/completions with token ids", param="messages")
         with _bad_request():
+            body.check_unsupported()
             _check_choices(body.n, 1, config, engine)
             api_checks.check_nesting(body)
             thinking, effort = body.thinking()
@@ -131,6 +132,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, config)
         with _bad_request():
+            body.check_unsupported()
             prompts = body.prompts()
             _check_choices(body.n, len(prompts), config, engine)
             if body.best_of is not None and body.best_of != body.n:

@@ -228,6 +228,11 @@ BOUNDS = [
     ("/v1/completions", {"logit_bias": {"a": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    # fields of OpenAI or vLLM this server does not serve: refused, not silently ignored
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
 ]
 
 
