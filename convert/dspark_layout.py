@@ -1,4 +1,4 @@
-"""The K3 DSpark draft checkpoint layout (../shared/spec/k3_serving_spec.md section 1.2): every
+"""The K3 DSpark draft checkpoint layout (ARCHITECTURE.md, "DSpark draft"): every
 tensor name, its shape as stored ([out, in] for linears) and the draft parameter it fills.
 
 Paths are those of serve.dspark.draft.DSparkDraft; linear weights are stored transposed there

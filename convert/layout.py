@@ -1,5 +1,5 @@
 """The published checkpoint layout of K3 and Kimi Linear, and how each tensor maps onto the
-parameter tree (../shared/spec/k3_model_facts.md, "Checkpoint tensors").
+parameter tree (ARCHITECTURE.md, "Checkpoint names").
 
 Each `Rule` names one checkpoint tensor (relative to its layer, or to the model), the shape and dtype
 it is stored with, the parameter path it fills and the transform on the way:

@@ -132,7 +132,7 @@ def _save_shards(out_dir, tensors, shard_bytes: int | None) -> None:
 
 
 def vision_tensors(cfg: K3Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """The K3 vision tower and projector names (../shared/spec/k3_serving_spec.md) at tiny widths, so
+    """The K3 vision tower and projector names at tiny widths, so
     text-only loads see the tensors they must skip."""
     width, inner, mlp, merged = 32, 48, 128, 4 * 32
     shapes = {"vision_tower.patch_embed.proj.weight": (width, 3, 14, 14),
@@ -149,7 +149,7 @@ def vision_tensors(cfg: K3Config, rng: np.random.Generator) -> dict[str, np.ndar
     return {n: (0.1 * rng.standard_normal(shape)).astype(ml_dtypes.bfloat16) for n, shape in shapes.items()}
 
 
-# K3's special tokens (../shared/spec/k3_serving_facts.md section E), placed above the 256 byte
+# K3's special tokens (ARCHITECTURE.md, "Tokens"), placed above the 256 byte
 # tokens in K3's order: [BOS] at the first special id, <|media_pad|> at +21 (K3: 163584 / 163605).
 SPECIAL_TOKENS = {0: "[BOS]", 1: "[EOT]", 2: "[EOS]", 3: "<|end_of_msg|>", 4: "<|open|>", 5: "<|close|>",
                   6: "<|sep|>", 7: "<|media_begin|>", 8: "<|media_content|>", 9: "<|media_end|>",

@@ -9,7 +9,7 @@ Accepted inputs:
 - Kimi Linear as saved by transformers (0-indexed `layer_types` / `mlp_layer_types`, `linear_head_dim`,
   and the alias names `num_local_experts`, `num_experts_per_tok`, `n_shared_experts`, `n_group`,
   `norm_topk_prob`).
-Feature switches come from keys, never from the model name (../shared/DESIGN.md section 2).
+Feature switches come from keys, never from the model name (ARCHITECTURE.md, "Model facts the code relies on").
 """
 
 from __future__ import annotations

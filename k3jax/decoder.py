@@ -1,5 +1,5 @@
 """The decoder stack: embedding, the layers, final read, norm and LM head. One forward serves
-full-sequence, prefill and decode calls (spec section 2).
+full-sequence, prefill and decode calls (ARCHITECTURE.md, "Shape of the decoder").
 
 Every layer owns its parameters and its caches (no stacked [layers, ...] arrays), and the forward
 runs the layers in a Python loop, so each weight and cache is a buffer of its own that a step reads

@@ -2,10 +2,10 @@
 
 A leaf module like k3jax.config (no model code), so `convert` can use it. The draft is a dense MLA
 transformer (RoPE, no NoPE / output gate / q-k norm) reading the target's hidden states at
-`target_layer_ids` (../shared/spec/k3_serving_spec.md section 1.2).
+`target_layer_ids` (ARCHITECTURE.md, "DSpark draft").
 
 `target_hidden_tap` is k3jax's own key: which AttnRes quantity "the hidden state after layer i" is
-(the checkpoint must say what it was trained on; spec section 1.3):
+(the checkpoint must say what it was trained on: vLLM and SGLang read it differently):
 - "residual_sum" (vLLM's default): the running residual sum after the layer; for an AttnRes target
   the sum of every bank row plus the open block and the pending FFN output, i.e. the embedding plus
   every sub-layer output so far;

@@ -177,7 +177,7 @@ PRESETS = {
     "k3-tiny": _k3(K3_TINY_TEXT, 277),
 }
 
-# DSpark draft checkpoints (config.json of the draft, ../shared/spec/k3_serving_spec.md section 1.2),
+# DSpark draft checkpoints (config.json of the draft; ARCHITECTURE.md, "DSpark draft"),
 # each for the target preset named in DRAFT_TARGETS. k3-tiny-dspark: 2 dense MLA layers reading the
 # residual stream after target layers 1, 4 and 8 of k3-tiny; the mask is a reserved special id of the
 # synthetic byte-level tokenizer (not BOS 256, EOS 258 or pad 511).

@@ -1,4 +1,5 @@
-"""Gated activations shared by the dense MLP, the shared experts and the routed experts (spec 2.6)."""
+"""Gated activations shared by the dense MLP, the shared experts and the routed experts
+(ARCHITECTURE.md, "MoE and LatentMoE")."""
 
 from __future__ import annotations
 

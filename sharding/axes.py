@@ -1,5 +1,5 @@
 """The one logical-axis table: every logical axis name a parameter or cache declares, and the mesh
-axes it is split over (DESIGN.md section 4). Model code names only logical axes.
+axes it is split over (ARCHITECTURE.md, "Meshes"). Model code names only logical axes.
 
 K3 on `--mesh 8x2` (DEP): attention heads, the dense MLP, shared experts and the vocabulary split
 over `model`; routed experts over all devices (`data` x `model`, 896 / 16 = 56 each); norms, AttnRes

@@ -1,4 +1,4 @@
-"""Device meshes from `--mesh` strings: "AxB" is A-way `model` by B-way `data` (DESIGN.md section 4).
+"""Device meshes from `--mesh` strings: "AxB" is A-way `model` by B-way `data` (ARCHITECTURE.md, "Meshes").
 
 `model` is the fast axis: consecutive devices (one node's GPUs) share a model-parallel group.
 """

@@ -2,7 +2,7 @@
 
 Per token the stream is (bank, p, d): the bank holds the embedding and one sum per closed block of
 `attn_res_block_size` layers, p is the running sum of the open block and d the last FFN output not
-yet added to p (spec section 2.2). The bank has a fixed number of rows, written in place as blocks
+yet added to p (ARCHITECTURE.md, "AttnRes"). The bank has a fixed number of rows, written in place as blocks
 close; a read mixes the rows written so far (`layer_index` is a Python int, so which rows is static).
 """
 

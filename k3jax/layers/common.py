@@ -1,6 +1,6 @@
 """Parameters, linear layers and norms shared by every layer.
 
-Parameters carry their logical axis names as `logical_axes` metadata (DESIGN.md section 4); the
+Parameters carry their logical axis names as `logical_axes` metadata (ARCHITECTURE.md, "Meshes"); the
 sharding package maps those names to mesh axes. Linear kernels are stored [in, out] (the checkpoint's
 [out, in] transposed) and every projection is bias-free.
 """

@@ -1,5 +1,5 @@
 """Feed-forward sub-layers: the dense gated MLP (SiTU or SiLU) and the MoE block with LatentMoE
-(spec sections 2.6 and 2.7)."""
+(ARCHITECTURE.md, "MoE and LatentMoE")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (spec section 2.4): projections, short conv, gate, delta rule, gated norm."""
+"""Kimi Delta Attention layer (ARCHITECTURE.md, "KDA"): projections, short conv, gate, delta rule, gated norm."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention (spec section 2.5): NoPE by default, sigmoid output gate.
+"""Gated Multi-head Latent Attention (ARCHITECTURE.md, "Gated MLA"): NoPE by default, sigmoid output gate.
 
 Prefill uses the naive form (keys and values expanded per head from the latent); one-token decode
 uses the absorbed form straight over the latent cache of [normalised latent | shared key] rows.

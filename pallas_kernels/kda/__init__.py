@@ -1,4 +1,4 @@
-"""Kimi Delta Attention: chunked prefill and recurrent decode (DESIGN.md section 3)."""
+"""Kimi Delta Attention: chunked prefill and recurrent decode (ARCHITECTURE.md, "Kernels")."""
 
 from pallas_kernels.kda.api import chunk_kda, fused_recurrent_kda
 

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, in fla's `chunk_kda` / `fused_recurrent_kda` conventions (DESIGN.md 3 and 6).
+"""Kimi Delta Attention, in fla's `chunk_kda` / `fused_recurrent_kda` conventions (ARCHITECTURE.md, "Kernels").
 
 - q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] the per-channel log decay (<= 0) after the
   gate function; beta [B, T, H] in (0, 1).

@@ -3,7 +3,7 @@
     o, conv_pool, state_pool = kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, A_log, beta_logits,
                                           state_pool, slots, gate_lower_bound=-5.0)
 
-Shapes, in the layer's own layout (k3jax/layers/kda.py, spec 2.4): N rows, T new tokens per row
+Shapes, in the layer's own layout (k3jax/layers/kda.py; ARCHITECTURE.md, "KDA"): N rows, T new tokens per row
 (static and small: 1 for decode, up to 8 to verify a speculative window), H heads of size D (K = V
 = D), P = H * D, W conv taps, S slots.
 - qkv [N, T, 3, P]: the pre-conv q, k, v projections (activation dtype, e.g. bf16). q, k and v

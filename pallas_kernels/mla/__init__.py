@@ -1,5 +1,5 @@
 """MLA attention: naive-form prefill (padded or packed) and absorbed-form decode (contiguous or paged),
-DESIGN.md section 3."""
+ARCHITECTURE.md, "Kernels"."""
 
 from pallas_kernels.mla.api import (
     causal_attention,

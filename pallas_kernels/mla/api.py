@@ -1,4 +1,4 @@
-"""MLA attention ops (DESIGN.md 3): naive-form prefill, padded or packed, and absorbed-form decode over
+"""MLA attention ops (ARCHITECTURE.md, "Kernels"): naive-form prefill, padded or packed, and absorbed-form decode over
 a contiguous cache or a page pool.
 
 impl: "auto" (the Pallas-Triton kernels on GPU when the shapes suit them, the XLA path otherwise),

@@ -1,4 +1,4 @@
-"""MoE expert FFN over MXFP4 (or plain) expert weights (DESIGN.md section 3)."""
+"""MoE expert FFN over MXFP4 (or plain) expert weights (ARCHITECTURE.md, "Kernels")."""
 
 from pallas_kernels.moe.api import expert_ffn, moe_ffn
 from pallas_kernels.moe.mxfp4 import Mxfp4Tensor, dequantize

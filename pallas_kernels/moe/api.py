@@ -1,9 +1,9 @@
-"""Routed-expert FFN ops (DESIGN.md section 3).
+"""Routed-expert FFN ops (ARCHITECTURE.md, "Kernels" and "MXFP4").
 
 Expert weights are [E, out, in] in the checkpoint's orientation, each either an `Mxfp4Tensor` (K3)
 or a plain array (Kimi Linear): w_gate and w_up [E, F, D], w_down [E, D, F]. Matmuls accumulate in
 fp32 on weights decoded to the activation dtype; the activation runs in fp32 and is cast to the
-activation dtype before the down projection (spec 2.6).
+activation dtype before the down projection (ARCHITECTURE.md, "MoE and LatentMoE").
 
 impl: "auto" (Pallas on GPU, XLA elsewhere), "pallas" (the Pallas-Triton kernels; interpreted off
 a GPU), "xla", "reference".

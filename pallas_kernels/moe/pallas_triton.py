@@ -184,7 +184,7 @@ def _decode_mxfp4(packed, scales, dtype):
     halves are interleaved last (low nibble = even input), moving 16-bit values rather than codes.
     A scale byte is the exponent field of 2**(byte - 127) (E8M0 and f32/bf16 share the bias 127);
     one multiply applies it. Every value is exact (a 2-bit significand times a power of two).
-    Scale byte 0 gives 0 rather than the subnormal 2**-127 and byte 255 (not used, spec 3.3) gives
+    Scale byte 0 gives 0 rather than the subnormal 2**-127 and byte 255 (NaN in E8M0; checkpoints do not use it) gives
     +-inf rather than NaN.
     """
     n, half = packed.shape

@@ -25,7 +25,7 @@ def _ffn(x, experts, w_gate, w_up, w_down, activation):
     w_gate, w_up, w_down = (_weights(w, experts).astype(x.dtype).astype(jnp.float32) for w in (w_gate, w_up, w_down))
     gate = jnp.einsum("md,mfd->mf", x32, w_gate, precision=_HIGHEST)
     up = jnp.einsum("md,mfd->mf", x32, w_up, precision=_HIGHEST)
-    hidden = activation(gate, up).astype(x.dtype).astype(jnp.float32)  # spec 2.6: rounded before down
+    hidden = activation(gate, up).astype(x.dtype).astype(jnp.float32)  # rounded before down, as the model
     return jnp.einsum("mf,mdf->md", hidden, w_down, precision=_HIGHEST).astype(x.dtype)
 
 

@@ -1,5 +1,5 @@
 """MoE expert FFN in plain XLA, on expert weights dequantized to the activation dtype (bf16 x bf16
-products are exact in fp32, so this is the spec's W4A16 with fp32 accumulation).
+products are exact in fp32, so this is W4A16 with fp32 accumulation).
 
 Two strategies for the grouped matmuls:
 

@@ -1,4 +1,4 @@
-"""AttnRes against a NumPy implementation of spec section 2.2/2.3 written from the text."""
+"""AttnRes against a NumPy implementation of ARCHITECTURE.md, "AttnRes", written from the text."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ def np_mix(sources, gamma, q):
 
 
 def np_stack(emb, attn_fns, ffn_fns, reads, out_read, block):
-    """Runs the AttnRes stack per token with explicit Python lists (spec 2.2 algorithm)."""
+    """Runs the AttnRes stack per token with explicit Python lists (bank, open block, pending output)."""
     p, d, bank = emb, None, []
     inputs = []
     for l in range(len(attn_fns)):

@@ -4,8 +4,8 @@ one expert's weight matrix (issue: stacked layer weights sliced into copies on e
 The configs are wide enough that every dense weight and every layer's expert pool is larger than
 one expert's matrix, while the step's activations and the caches it gathers (one token for one or
 two rows, short contexts) are smaller, so any copy of a weight shows up as a buffer over the bound.
-fp32: XLA:CPU has no bf16 dot and upcasts bf16 weights into f32 copies, a property of that backend
-(the bf16 GEMV trap of ../shared/notes/jax_on_cpu.md), not of the model.
+fp32: XLA:CPU has no bf16 dot and upcasts bf16 weights into f32 copies, a property of that backend,
+not of the model.
 """
 
 from __future__ import annotations

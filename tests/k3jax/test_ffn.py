@@ -1,4 +1,4 @@
-"""Router, LatentMoE block and dense MLP against NumPy versions of spec sections 2.6 and 2.7."""
+"""Router, LatentMoE block and dense MLP against NumPy versions of ARCHITECTURE.md, "MoE and LatentMoE"."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from tests.k3jax.tiny_configs import k3_tiny, kimi_linear_tiny
 
 
 def np_route(x, kernel, bias, cfg, margins=False):
-    """(ids, weights) of spec 2.6's router in float64; with `margins`, also each token's smallest
+    """(ids, weights) of the router in float64; with `margins`, also each token's smallest
     decision margin (the k-th against the (k+1)-th kept score, and the kept groups against the next)."""
     scores = 1 / (1 + np.exp(-(x @ kernel)))
     choice = scores + bias

@@ -1,4 +1,4 @@
-"""The KDA layer (projections, short conv, gate, delta rule, gated norm) against NumPy (spec 2.4)."""
+"""The KDA layer (projections, short conv, gate, delta rule, gated norm) against NumPy (ARCHITECTURE.md, "KDA")."""
 
 import jax
 import jax.numpy as jnp

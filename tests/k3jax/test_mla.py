@@ -1,4 +1,5 @@
-"""Gated MLA: NumPy reference of spec 2.5, naive == absorbed, cache continuation, and the kernels' paths."""
+"""Gated MLA: NumPy reference of ARCHITECTURE.md, "Gated MLA", naive == absorbed, cache continuation,
+and the kernels' paths."""
 
 import jax
 import jax.numpy as jnp

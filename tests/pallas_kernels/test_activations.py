@@ -1,4 +1,4 @@
-"""Gated activations against their NumPy float64 formulas (spec 2.6)."""
+"""Gated activations against their NumPy float64 formulas (ARCHITECTURE.md, "MoE and LatentMoE")."""
 
 import jax
 import jax.numpy as jnp

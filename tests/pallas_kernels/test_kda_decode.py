@@ -1,5 +1,5 @@
 """The KDA decode step over slot pools: the reference against the model's own composition (its conv,
-the spec's gates, the KDA op's reference recurrence), the XLA path and the Pallas kernel (interpret
+the layer's gates, the KDA op's reference recurrence), the XLA path and the Pallas kernel (interpret
 mode) against the reference, speculative windows (per-position states, commit of an accepted prefix),
 and lowering of the kernel to Triton for an H200 and an MI300 at K3's shapes, pools aliased."""
 

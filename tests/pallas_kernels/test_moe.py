@@ -56,7 +56,7 @@ def np_activation(act, g, u):
 
 
 def np_ffn(x, e, ws, act, np_dtype):
-    """One row through expert e, in float64 with the spec's roundings to the activation dtype."""
+    """One row through expert e, in float64 with the model's roundings to the activation dtype."""
     w1, w3, w2 = ws
     rnd = lambda a: a.astype(np_dtype).astype(np.float64)  # noqa: E731
     return rnd(w2[e] @ rnd(np_activation(act, w1[e] @ x, w3[e] @ x)))

@@ -12,7 +12,7 @@ def test_kimi_k3_on_8x2():
     p = plan(cfg, "8x2", device_bytes=141e9)
     # the MLA latent cache is split by sequence over data, whole on each model rank
     assert p["mla_cache_MiB_per_1k_tokens"] == pytest.approx(mla_cache_bytes_per_token(cfg) * 1024 / 2**20)
-    # KDA recurrent state and conv window both split by head over model=8: the spec's 53.57 MiB
+    # KDA recurrent state and conv window both split by head over model=8: K3's 53.57 MiB per sequence
     assert p["kda_state_MiB_per_sequence"] * 2**20 == pytest.approx(kda_state_bytes_per_sequence(cfg, tensor_parallel=8))
     # bf16 weights with MXFP4 experts: at least an even 16-way split of the checkpoint bytes
     assert p["weights_GiB"] * 2**30 > 1.4e12 / 16
