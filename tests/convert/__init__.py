@@ -1,0 +1,1 @@
+"""Tests of convert/: safetensors reading, the layout table, MXFP4, conversion to Orbax and loading."""
