@@ -22,7 +22,7 @@ UNITS = {
     "mxfp4_format": ("pallas_kernels.mxfp4_format",),
     "kernels": ("pallas_kernels",),
     "sharding": ("sharding",),
-    "config": ("k3jax.config", "k3jax.presets", "k3jax.dspark_config"),
+    "config": ("k3jax.config", "k3jax.presets", "k3jax.dspark_config", "k3jax.vision.config"),
     "convert": ("convert",),
     "layers": ("k3jax.layers",),
     "model": ("k3jax",),

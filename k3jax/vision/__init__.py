@@ -1,0 +1,1 @@
+"""Vision input: image preprocessing, the MoonViT tower and projector, and their checkpoint loading."""
