@@ -1,0 +1,171 @@
+"""MoonViT: the vision tower and its projector to the text width (../shared/spec/k3_serving_spec.md 6.2).
+
+patches [N, 3*14*14] -> linear patch embedding + the learnable position table resized to the grid
+-> blocks (pre-norm; fused qkv with 2-D RoPE; GELU-tanh MLP) -> final norm -> 2x2 merge -> projector
+-> one text-width vector per merged token. One image at a time: attention is full within an image, and
+its grid is static, so each image size compiles once.
+
+Parameters are stored in the layout of k3jax/layers (kernels [in, out]); `k3jax.vision.weights`
+maps the checkpoint's `vision_tower.*` / `mm_projector.*` tensors onto them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.layers.common import param, rms_norm
+from k3jax.vision.config import LAYERNORM, PATCHMERGER_V2, VisionConfig
+
+# The encoder runs data-parallel (12 heads split neither 8 nor 16 ways), so every axis replicates.
+_AXES = ("vision", "vision")
+
+
+class BiasLinear(nnx.Module):
+    """y = x @ kernel (+ bias), kernel [in, out]; fp32 accumulation, output in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, *, dtype, rngs):
+        self.kernel = param(rngs, (in_features, out_features), _AXES, dtype)
+        self.bias = param(None, (out_features,), _AXES[:1], dtype) if bias else None
+
+    def __call__(self, x):
+        y = jnp.dot(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class Norm(nnx.Module):
+    """LayerNorm (weight and bias) or RMSNorm (weight), in fp32; eps None is the dtype's epsilon."""
+
+    def __init__(self, size: int, kind: str, eps: float | None, *, dtype):
+        self.weight = param(None, (size,), _AXES[:1], dtype, init="ones")
+        self.bias = param(None, (size,), _AXES[:1], dtype) if kind == LAYERNORM else None
+        self.eps = eps
+
+    def __call__(self, x):
+        eps = self.eps if self.eps is not None else float(jnp.finfo(x.dtype).eps)
+        if self.bias is None:
+            return rms_norm(x, self.weight[...], eps, x.dtype)
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+        return (normed * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class VisionBlock(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype, rngs):
+        d, q = cfg.hidden_size, cfg.qkv_size
+        self.cfg = cfg
+        self.norm0 = Norm(d, cfg.norm_type, cfg.norm_eps, dtype=dtype)
+        self.norm1 = Norm(d, cfg.norm_type, cfg.norm_eps, dtype=dtype)
+        self.wqkv = BiasLinear(d, 3 * q, cfg.attn_bias, dtype=dtype, rngs=rngs)
+        self.wo = BiasLinear(q, d, cfg.attn_bias, dtype=dtype, rngs=rngs)
+        self.fc0 = BiasLinear(d, cfg.intermediate_size, cfg.linear_bias, dtype=dtype, rngs=rngs)
+        self.fc1 = BiasLinear(cfg.intermediate_size, d, cfg.linear_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_nd, cos_nr, sin_nr):
+        n, heads, hd = x_nd.shape[0], self.cfg.num_heads, self.cfg.head_dim
+        qkv = self.wqkv(self.norm0(x_nd)).reshape(n, 3, heads, hd)
+        q, k = (_rope(qkv[:, i], cos_nr, sin_nr) for i in (0, 1))
+        v = qkv[:, 2].astype(jnp.float32)
+        scores = jnp.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+        out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+        x_nd = x_nd + self.wo(out.reshape(n, heads * hd).astype(x_nd.dtype))
+        hidden = jax.nn.gelu(self.fc0(self.norm1(x_nd)).astype(jnp.float32), approximate=True)
+        return x_nd + self.fc1(hidden.astype(x_nd.dtype))
+
+
+def _rope(x_nhd, cos_nr, sin_nr):
+    """Rotates consecutive (even, odd) pairs of each head by the pair's angle (fp32)."""
+    x = x_nhd.astype(jnp.float32).reshape(*x_nhd.shape[:-1], -1, 2)
+    even, odd = x[..., 0], x[..., 1]
+    cos, sin = cos_nr[:, None], sin_nr[:, None]
+    return jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(x_nhd.shape)
+
+
+class Projector(nnx.Module):
+    """patchmerger (K2.5): LayerNorm per patch, merge, Linear+bias, GELU, Linear+bias.
+    patchmergerv2 (K3): merge, Linear, GELU, Linear, RMSNorm. GELU is the exact (erf) one in both."""
+
+    def __init__(self, cfg: VisionConfig, *, dtype, rngs):
+        v2 = cfg.projector_type == PATCHMERGER_V2
+        m = cfg.merged_size
+        self.pre_norm = None if v2 else Norm(cfg.hidden_size, LAYERNORM, 1e-5, dtype=dtype)
+        self.linear_1 = BiasLinear(m, m, not v2, dtype=dtype, rngs=rngs)
+        self.linear_2 = BiasLinear(m, cfg.text_hidden_size, not v2, dtype=dtype, rngs=rngs)
+        self.post_norm = Norm(cfg.text_hidden_size, "rmsnorm", cfg.projector_eps, dtype=dtype) if v2 else None
+
+    def __call__(self, windows_mkd):
+        if self.pre_norm is not None:
+            windows_mkd = self.pre_norm(windows_mkd)
+        x = windows_mkd.reshape(windows_mkd.shape[0], -1)
+        x = jax.nn.gelu(self.linear_1(x).astype(jnp.float32), approximate=False).astype(x.dtype)
+        x = self.linear_2(x)
+        return x if self.post_norm is None else self.post_norm(x)
+
+
+class VisionTower(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.cfg = cfg
+        p, d = cfg.patch_size, cfg.hidden_size
+        self.patch_embed = BiasLinear(3 * p * p, d, cfg.patch_embed_bias, dtype=dtype, rngs=rngs)
+        self.pos_emb = param(rngs, (cfg.pos_emb_height, cfg.pos_emb_width, d), ("vision",) * 3, dtype, stddev=1.0)
+        self.blocks = nnx.List([VisionBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = Norm(d, cfg.norm_type, cfg.norm_eps, dtype=dtype)
+        self.projector = Projector(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, pixel_values, grid_hw: tuple[int, int]):
+        """pixel_values [h*w, 3, p, p] (row-major over the grid) -> [h*w/4, text_hidden] for grid (h, w)."""
+        h, w = grid_hw
+        dtype = self.patch_embed.kernel[...].dtype
+        x = self.patch_embed(pixel_values.reshape(h * w, -1).astype(dtype))
+        x = x + _resized_table(self.pos_emb[...], h, w, self.cfg.pos_interpolation).astype(x.dtype)
+        cos, sin = rope_tables(h, w, self.cfg.head_dim, self.cfg.rope_theta)
+        for block in self.blocks:
+            x = block(x, jnp.asarray(cos), jnp.asarray(sin))
+        x = self.final_norm(x)
+        kh, kw = self.cfg.merge_kernel
+        # [h*w/4, 4, D]: each 2x2 window's patches in (row, column) order, windows row-major
+        windows_mkd = x.reshape(h // kh, kh, w // kw, kw, -1).transpose(0, 2, 1, 3, 4).reshape(-1, kh * kw, x.shape[-1])
+        return self.projector(windows_mkd)
+
+
+def _resized_table(table_hwd, h: int, w: int, mode: str):
+    """The position table resampled to (h, w) as torch's F.interpolate(mode, align_corners=False) does."""
+    rows = jnp.asarray(interpolation_matrix(table_hwd.shape[0], h, mode))
+    cols = jnp.asarray(interpolation_matrix(table_hwd.shape[1], w, mode))
+    return jnp.einsum("ai,ijd,bj->abd", rows, table_hwd.astype(jnp.float32), cols,
+                      precision=jax.lax.Precision.HIGHEST).reshape(h * w, -1)
+
+
+def interpolation_matrix(src: int, dst: int, mode: str) -> np.ndarray:
+    """float32 [dst, src]: weights of torch's 1-D resampling from src to dst points (half-pixel centres;
+    bicubic is Keys' kernel with a = -0.75, taps past the edges clamped onto the edge). Equal sizes give
+    the identity, as vLLM's skip of the interpolation does."""
+    out = np.zeros((dst, src), np.float64)
+    centre = (np.arange(dst) + 0.5) * src / dst - 0.5
+    base = np.floor(centre).astype(np.int64)
+    offsets = np.arange(0, 2) if mode == "bilinear" else np.arange(-1, 3)
+    distance = np.abs(centre[:, None] - base[:, None] - offsets)
+    if mode == "bilinear":
+        weights = np.maximum(1 - distance, 0)
+    else:
+        a = -0.75
+        near = ((a + 2) * distance - (a + 3)) * distance * distance + 1
+        far = ((a * distance - 5 * a) * distance + 8 * a) * distance - 4 * a
+        weights = np.where(distance <= 1, near, far)
+    taps = np.clip(base[:, None] + offsets, 0, src - 1)
+    np.add.at(out, (np.repeat(np.arange(dst), len(offsets)), taps.reshape(-1)), weights.reshape(-1))
+    return out.astype(np.float32)
+
+
+def rope_tables(h: int, w: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [h*w, head_dim/2]: pair 2i turns by column * f_i, pair 2i+1 by row * f_i,
+    f_i = theta^(-4i/head_dim), patches row-major."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 4)[: head_dim // 4].astype(np.float32) / head_dim)
+    rows, cols = np.divmod(np.arange(h * w, dtype=np.float32), w)
+    angles = np.stack([np.outer(cols, freqs), np.outer(rows, freqs)], axis=-1).reshape(h * w, -1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
