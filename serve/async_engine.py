@@ -8,10 +8,13 @@ engine are bounded (the running batch plus `max_queued_requests` waiting), so a 
 is answered with 503s instead of growing memory.
 
 Outputs travel as deltas (what each step added), so a request's output is copied once, not once
-per step. The engine thread never waits for a reader: a group whose reader leaves more than
-`max_backlog` outputs unread for longer than `stall_timeout_s` is aborted, which bounds what a
-stalled client can make the server hold. A request that fails alone (finish_reason "error") fails
-its group with RequestFailed; the others go on.
+per step. The engine thread never waits for a reader; instead, before each step, a group whose
+reader has more than `max_backlog` outputs unread is paused (its requests keep their cache but
+take no part in steps) until the reader catches up, and aborted if it stays behind for
+`stall_timeout_s`: a reader that does not read stalls only its own requests, and what it makes the
+server hold is bounded. A request that fails alone (finish_reason "error") fails its group with
+RequestFailed; the others go on. When a step finds nothing to run, the thread sleeps until the next
+command (polling while a group is paused) rather than spinning.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from serve.metrics import ServerMetrics
 from serve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+# How often the engine thread looks at paused groups' readers when it has nothing else to do.
+PAUSED_POLL_S = 0.01
 
 
 class QueueFull(Exception):
@@ -113,7 +120,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while True:
-            commands = self._take_commands(wait=not self.engine.has_unfinished())
+            paused, changed = self._throttle()
+            idle = self.engine.idle and not changed  # nothing to run until a command or a resumed reader
+            commands = self._take_commands(wait=idle or not self.engine.has_unfinished(),
+                                           timeout=PAUSED_POLL_S if paused else None)
             if _STOP in commands:
                 return
             try:
@@ -122,7 +132,7 @@ class AsyncEngine:
                         self._submit(command)
                     else:
                         self._abort(command)
-                if self.engine.has_unfinished():
+                if self.engine.has_unfinished() and (commands or not idle):
                     self._deliver(self.engine.step(deltas=True))
             except Exception as error:  # an engine bug: fail what is in flight, keep serving new requests
                 logger.exception("engine step failed; failing the %d requests in flight", len(self._requests))
@@ -132,8 +142,13 @@ class AsyncEngine:
             except Exception:  # a metrics bug must not stop the engine loop
                 logger.exception("refreshing the engine metrics failed")
 
-    def _take_commands(self, wait: bool) -> list:
-        commands = [self._inbox.get()] if wait else []
+    def _take_commands(self, wait: bool, timeout: float | None) -> list:
+        commands = []
+        if wait:
+            try:
+                commands.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._inbox.get_nowait())
@@ -186,20 +201,27 @@ class AsyncEngine:
                 del self._requests[output.request_id]
                 self.metrics.requests_finished.labels(output.finish_reason).inc()
                 self._release(1)
-            elif self._stalled(tracked.group, now):
-                logger.warning("aborting a request whose client left %d outputs unread for %.0f s",
-                               tracked.group.backlog, self.stall_timeout_s)
-                self._fail_group(tracked.group, "abort", f"the client did not read its stream for "
-                                                         f"{self.stall_timeout_s:g} s")
 
-    def _stalled(self, group: RequestGroup, now: float) -> bool:
-        """Whether the group's reader has left more than max_backlog outputs unread for too long."""
-        if group.backlog <= self.max_backlog:
-            group.stalled_since = None
-            return False
-        if group.stalled_since is None:
-            group.stalled_since = now
-        return now - group.stalled_since > self.stall_timeout_s
+    def _throttle(self) -> tuple[bool, bool]:
+        """Pauses the groups whose readers are more than max_backlog outputs behind and resumes those
+        that caught up; aborts a group paused for longer than stall_timeout_s. Returns (whether any
+        group stays paused, whether any was resumed or aborted)."""
+        now, any_paused, changed = time.monotonic(), False, False
+        for group in {tracked.group for tracked in self._requests.values()}:
+            behind = group.backlog > self.max_backlog
+            if behind != (group.stalled_since is not None):
+                group.stalled_since = now if behind else None
+                changed |= not behind
+                for request_id in group.request_ids:
+                    self.engine.pause(request_id, behind)
+            if behind and now - group.stalled_since > self.stall_timeout_s:
+                changed = True
+                logger.warning("aborting a request whose client left %d outputs unread for %g s", group.backlog,
+                               self.stall_timeout_s)
+                self._fail_group(group, "abort", f"the client did not read its stream for {self.stall_timeout_s:g} s")
+            else:
+                any_paused |= behind
+        return any_paused, changed
 
     def _fail_group(self, group: RequestGroup, reason: str, message: str) -> None:
         """Ends every request of the group still in the engine; its reader gets RequestFailed."""
@@ -236,7 +258,7 @@ class RequestGroup:
         self._unfinished = set(range(len(request_ids)))
         # Outputs posted (written by the engine thread) and taken (by the reader); each int has one writer.
         self.posted = self.taken = 0
-        self.stalled_since: float | None = None  # engine thread: since when the backlog is over its bound
+        self.stalled_since: float | None = None  # engine thread: since when the group is paused (None: it is not)
 
     @property
     def backlog(self) -> int:

@@ -117,6 +117,7 @@ class Engine:
         if tokenizer is not None:
             self.eos_ids |= set(tokenizer.eos_token_ids)
         self._texts: dict[str, _Text] = {}  # detokenized output of running requests (with a tokenizer)
+        self.idle = False  # the last step found nothing to run (every request paused, or none admissible)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -176,6 +177,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def pause(self, request_id: str, paused: bool = True) -> None:
+        """Leaves a request out of the steps (it keeps its cache) until paused again with False."""
+        if (request := self.requests.get(request_id)) is not None:
+            request.paused = paused
 
     @property
     def num_running(self) -> int:
@@ -255,6 +261,7 @@ class Engine:
         each got since its last output: a server's streams need nothing more, and nothing is copied
         twice)."""
         plan = self.scheduler.schedule()
+        self.idle = not plan
         try:
             requests = self._execute(plan)
         except Exception as error:

@@ -7,7 +7,8 @@ admitted first come, first served while a slot, pages and room under `max_num_se
 most recently admitted request is preempted: its pages and slot are freed and it restarts later by
 recomputing its prompt and the tokens it already generated (so its output does not change).
 A suspect (a request of a step that failed, see serve/engine.py) runs alone: it is admitted only
-into an empty batch, and nothing joins it until its next token.
+into an empty batch, and nothing joins it until its next token. A paused request (its reader is
+behind) keeps its pages and slot but takes no part in steps until it is resumed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Request:
     drafts: list[int] = dataclasses.field(default_factory=list)  # speculative tokens the next step verifies
     draft_logits: object = None  # with probabilistic drafting: (device array, row) of the drafts' logits
     suspect: bool = False  # in a step that failed: runs alone until it samples a token
+    paused: bool = False  # left out of steps (its reader has too much unread output)
     num_sent: int = 0  # output tokens handed out as deltas
 
     @property
@@ -87,7 +89,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        decode = [r for r in self.running if r.pending == 1]
+        decode = [r for r in self.running if r.pending == 1 and not r.paused]
         for request in list(decode):
             if request.status is not Status.RUNNING:  # preempted while making room for an earlier one
                 continue
@@ -104,7 +106,7 @@ class Scheduler:
             request.drafts = request.drafts[:max(budget, 0)]
             budget -= len(request.drafts)
         prefill: list[tuple[Request, int]] = []
-        for request in [r for r in self.running if r.pending > 1]:  # chunked prefills under way
+        for request in [r for r in self.running if r.pending > 1 and not r.paused]:  # chunked prefills under way
             if budget <= 0 or len(prefill) == self.max_prefill_rows:
                 break
             chunk = self._chunk(request, budget)

@@ -81,3 +81,22 @@ def test_deltas_join_to_the_whole_output_and_stop_ids_change_no_shape(engine):
     assert delta["delta"][1] == tokens[:len(tokens) if stop_at is None else stop_at + 1]
     assert delta["delta"][0] == ("length" if stop_at is None else "stop")
     assert delta["delta"][2] == len(delta["delta"][1])
+
+
+def test_a_paused_request_keeps_its_cache_and_waits_while_the_others_run(engine):
+    engine.add_request([1, 2], greedy(6), "paused")
+    engine.add_request([3, 4], greedy(3), "running")
+    while not engine.requests["paused"].output:
+        engine.step()
+    engine.pause("paused")
+    held = list(engine.requests["paused"].output)
+    outputs = {}
+    while "running" not in outputs or not outputs["running"].finished:
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert engine.requests["paused"].output == held and engine.requests["paused"].pages
+    engine.step()
+    assert engine.idle  # nothing to run: the server's engine thread sleeps instead of spinning
+    engine.pause("paused", False)
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert len(outputs["paused"].token_ids) == 6 and outputs["running"].finish_reason == "length"
