@@ -185,9 +185,12 @@ def test_a_reader_that_stops_reading_pauses_its_request_and_is_aborted_after_the
 def test_a_reader_that_catches_up_resumes_its_request_and_nothing_spins_meanwhile():
     async def test(engine):
         group = await engine.submit([([1], SamplingParams(max_tokens=50))])
-        await asyncio.sleep(0.3)  # the request pauses after 5 outputs; the engine thread then sleeps
+        deadline = time.monotonic() + 10
+        while group.backlog < 5:  # the request pauses once 5 outputs are unread
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         steps = engine.engine.steps
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # the engine thread sleeps meanwhile: at most the step already under way
         assert engine.engine.steps - steps <= 1 and group.backlog == 5
         assert (await finals(group))[0].token_ids == list(range(50))  # reading resumes it, to the end
 
