@@ -18,8 +18,10 @@ from safetensors.numpy import save_file
 
 from convert import layout
 from convert.dspark_layout import draft_tensors
+from convert.vision_layout import vision_rules
 from k3jax.config import K3Config
 from k3jax.dspark_config import DSparkConfig
+from k3jax.vision.config import vision_config
 from pallas_kernels.mxfp4_format import GROUP, random_scale_byte
 
 _NUMPY_DTYPES = {layout.BF16: ml_dtypes.bfloat16, layout.F32: np.float32, layout.U8: np.uint8}
@@ -132,21 +134,25 @@ def _save_shards(out_dir, tensors, shard_bytes: int | None) -> None:
 
 
 def vision_tensors(cfg: K3Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """The K3 vision tower and projector names at tiny widths, so
-    text-only loads see the tensors they must skip."""
-    width, inner, mlp, merged = 32, 48, 128, 4 * 32
-    shapes = {"vision_tower.patch_embed.proj.weight": (width, 3, 14, 14),
-              "vision_tower.patch_embed.pos_emb.weight": (8, 8, width),
-              "vision_tower.encoder.final_layernorm.weight": (width,),
-              "mm_projector.proj.0.weight": (merged, merged),
-              "mm_projector.proj.2.weight": (cfg.hidden_size, merged),
-              "mm_projector.post_norm.weight": (cfg.hidden_size,)}
-    for i in range(2):
-        block = f"vision_tower.encoder.blocks.{i}."
-        shapes.update({block + "norm0.weight": (width,), block + "norm1.weight": (width,),
-                       block + "wqkv.weight": (3 * inner, width), block + "wo.weight": (width, inner),
-                       block + "mlp.fc0.weight": (mlp, width), block + "mlp.fc1.weight": (width, mlp)})
-    return {n: (0.1 * rng.standard_normal(shape)).astype(ml_dtypes.bfloat16) for n, shape in shapes.items()}
+    """The vision tower and projector in the published layout (`convert.vision_layout`), none for a
+    config without one: linears and the patch convolution fan-in scaled, norm weights near one, biases
+    small, the position table unit normal (as large as the patch embeddings it is added to)."""
+    vcfg = vision_config(cfg)
+    if vcfg is None:
+        return {}
+    out = {}
+    for rule in vision_rules(vcfg):
+        noise = rng.standard_normal(rule.shape)
+        if rule.name.endswith("pos_emb.weight"):
+            value = noise
+        elif rule.name.endswith("bias"):
+            value = 0.1 * noise
+        elif len(rule.shape) == 1:
+            value = 1.0 + 0.1 * noise
+        else:
+            value = noise / np.sqrt(np.prod(rule.shape[1:]))
+        out[rule.name] = value.astype(_NUMPY_DTYPES[rule.dtype])
+    return out
 
 
 # K3's special tokens (ARCHITECTURE.md, "Tokens"), placed above the 256 byte

@@ -23,12 +23,14 @@ from k3jax.config import K3Config
 from k3jax.decoder import K3Transformer
 from k3jax.model import K3Model, resolve_dtype
 from k3jax.placement import check_mesh
+from k3jax.vision.encoder import load_vision_encoder
 from sharding.axes import named_sharding
 from sharding.mesh import make_mesh
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> K3Model:
-    """Loads K3 or Kimi Linear from `path` (Hugging Face safetensors or a `python -m convert` output).
+    """Loads K3 or Kimi Linear from `path` (Hugging Face safetensors or a `python -m convert` output),
+    with the vision tower as `model.vision` when the safetensors checkpoint has one (else None).
 
     `dtype` ("bfloat16" or "float32") is the weight and activation dtype; the gate parameters, conv
     weights and router bias stay float32 and MXFP4 experts stay packed. `mesh` (None, a string such as
@@ -55,7 +57,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> 
     if missing:
         raise CheckpointError(f"the checkpoint filled no value for parameters {missing[:5]}")
     params = nnx.from_flat_state([(p, targets[p].replace(values[p])) for p in targets])
-    return K3Model(cfg, graphdef, params, mesh)
+    # The converter writes the text model only: a converted directory loads without its vision tower.
+    vision = None if is_converted(path) else load_vision_encoder(path, cfg, dtype=dtype, mesh=mesh)
+    return K3Model(cfg, graphdef, params, mesh, vision)
 
 
 def _fill(values: dict, targets: dict, prefix: tuple, arrays: dict, mesh):

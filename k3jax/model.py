@@ -65,8 +65,9 @@ class K3Model:
     split over `data`, XLA partitions the rest and the routed experts run expert-parallel.
     """
 
-    def __init__(self, config: K3Config, graphdef, params, mesh: Mesh | None = None):
+    def __init__(self, config: K3Config, graphdef, params, mesh: Mesh | None = None, vision=None):
         self.config = config
+        self.vision = vision  # k3jax.vision.encoder.VisionEncoder, or None: the model takes no images
         self.graphdef = graphdef
         self.structure = Structure(graphdef)  # what the jitted functions take
         self.mesh = mesh
@@ -97,7 +98,7 @@ class K3Model:
                 return v.replace(jnp.asarray(fixed_router_bias(np.asarray(v.get_value()))))
             return v
         params = nnx.from_flat_state([(k, fix(k, v)) for k, v in nnx.to_flat_state(self.params)])
-        return K3Model(self.config, self.graphdef, params, self.mesh)
+        return K3Model(self.config, self.graphdef, params, self.mesh, self.vision)
 
     @property
     def dtype(self):

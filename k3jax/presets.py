@@ -24,12 +24,27 @@ def _k3_layer_lists(num_layers: int, every: int) -> dict:
     return {"kda_layers": kda, "full_attn_layers": full}
 
 
-def _k3(text: dict, media_placeholder_token_id: int) -> dict:
+# K3's tower at CPU-test widths (the K3 variant: RMSNorm, no biases, qkv wider than the hidden
+# size, bilinear position table, patchmergerv2); 2 heads of 24, whose quarters RoPE rotates on x and y.
+K3_TINY_VISION = {
+    "vt_hidden_size": 32,
+    "qkv_hidden_size": 48,
+    "vt_num_attention_heads": 2,
+    "vt_intermediate_size": 128,
+    "vt_num_hidden_layers": 2,
+    "init_pos_emb_height": 8,
+    "init_pos_emb_width": 8,
+}
+
+
+def _k3(text: dict, media_placeholder_token_id: int, vision: dict = K3_TINY_VISION) -> dict:
+    """K3's wrapper config; `vision` defaults to the tiny tower, which synthetic checkpoints of
+    test-width configs can afford."""
     return {
         "model_type": "kimi_k3",
         "architectures": ["KimiK3ForConditionalGeneration"],
         "text_config": text,
-        "vision_config": {},
+        "vision_config": dict(vision),
         "media_placeholder_token_id": media_placeholder_token_id,
         "tie_word_embeddings": False,
     }
@@ -172,7 +187,7 @@ KIMI_LINEAR_48B = {
 }
 
 PRESETS = {
-    "kimi-k3": _k3(KIMI_K3_TEXT, 163605),
+    "kimi-k3": _k3(KIMI_K3_TEXT, 163605, {}),  # {}: every vision key takes K3's default
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B,
     "k3-tiny": _k3(K3_TINY_TEXT, 277),
 }
