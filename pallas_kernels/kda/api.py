@@ -11,15 +11,6 @@
   zeros. cu_seqlens may be traced: every shape follows from T and N.
 - Everything is computed in fp32 whatever the input dtypes. o comes back in v's dtype (fla uses
   q's; the two agree in practice, and o is a mix of v rows); final_state is fp32.
-- output_state_every=E (a static int >= 1) also returns the recurrent states after every E tokens
-  of each sequence, as a third result: for prefix caching (E = the page size, states at page
-  boundaries) and for speculative decoding (E = 1 over the verified window, the state after each
-  position). Without cu_seqlens it is fp32 [B, T // E, H, K, V], row i the state after token
-  E * (i + 1). With cu_seqlens it is fp32 [T // E, H, K, V], the rows of sequence n first after
-  those of the sequences before it: sequence n's state after its token E * (i + 1) is row
-  sum_{m < n} (L_m // E) + i, L_m the sequence lengths; rows past the last one are unspecified.
-  A position is counted from the sequence's first token (not the initial state), so a resumed
-  prefill whose cached prefix is a whole number of pages keeps snapshots on page boundaries.
 - impl: "auto" (Pallas on GPU, the XLA path elsewhere or when K or V does not suit Pallas), "xla",
   "reference" or "pallas" (the Pallas-Triton kernels, pallas_triton.py; off a GPU they run in
   interpret mode, which is slow and only for tests). Pallas needs K and V powers of 2 of at least 16.
@@ -38,7 +29,7 @@ from pallas_kernels.kda import pallas_triton, reference, xla
 def _jit(fn, *switches):
     """Jitted here so that eager callers (tests, notebooks) compile each shape once; under an outer
     jit it is inlined. Only switches are static: scale stays a traced scalar."""
-    return jax.jit(fn, static_argnames=("l2norm", "every", *switches))
+    return jax.jit(fn, static_argnames=("l2norm", *switches))
 
 
 _RECURRENT = _jit(reference.recurrent_kda)
@@ -52,20 +43,19 @@ _IMPLS = {
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm_in_kernel=False, output_state_every=None, impl="auto"):
-    """Chunked parallel form, for prefill. Returns (o [B, T, H, V], final_state [N, H, K, V] or None),
-    and the snapshots as a third result when output_state_every is set."""
+              use_qk_l2norm_in_kernel=False, impl="auto"):
+    """Chunked parallel form, for prefill. Returns (o [B, T, H, V], final_state [N, H, K, V] or None)."""
     impl = _resolve(impl, q, v)
     return _call(_IMPLS[impl][0], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel, output_state_every)
+                 use_qk_l2norm_in_kernel)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, output_state_every=None, impl="auto"):
+                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, impl="auto"):
     """Token-by-token form, for decode (T small). Same contract as chunk_kda."""
     impl = _resolve(impl, q, v)
     return _call(_IMPLS[impl][1], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel, output_state_every)
+                 use_qk_l2norm_in_kernel)
 
 
 def _resolve(impl, q, v):
@@ -73,17 +63,17 @@ def _resolve(impl, q, v):
     return dispatch.resolve(impl, fits, f"q {jnp.shape(q)}, v {jnp.shape(v)}: K and V must be powers of 2 >= 16")
 
 
-def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm, every):
+def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm):
     q, k, v, g, beta = map(jnp.asarray, (q, k, v, g, beta))
     cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
-    num_states = _check(q, k, v, g, beta, initial_state, cu_seqlens, every)
+    num_states = _check(q, k, v, g, beta, initial_state, cu_seqlens)
     b, t, h, dk = q.shape
     dv = v.shape[3]
     if initial_state is None:
         initial_state = jnp.zeros((num_states, h, dk, dv), jnp.float32)
-    # The Pallas kernels and the snapshots work on packed sequences: rows of a batch are sequences
-    # of T tokens one after another (a free reshape).
-    repack = cu_seqlens is None and (impl == "pallas" or every is not None)
+    # The Pallas kernels work on packed sequences: rows of a batch are sequences of T tokens one
+    # after another (a free reshape).
+    repack = cu_seqlens is None and impl == "pallas"
     if repack:
         q, k, v, g, beta = (x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta))
         cu_seqlens = jnp.arange(b + 1, dtype=jnp.int32) * t
@@ -92,29 +82,25 @@ def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, 
     args = (q, k, v, g, beta, dk ** -0.5 if scale is None else scale, jnp.asarray(initial_state, jnp.float32),
             cu_seqlens)
     if impl == "pallas":
-        o, final_state, states = _pallas_per_shard(fn, args, l2norm, every)
+        o, final_state = _pallas_per_shard(fn, args, l2norm)
     else:
-        o, final_state, states = fn(*args[:5], scale=args[5], initial_state=args[6], cu_seqlens=cu_seqlens,
-                                    l2norm=l2norm, every=every)
+        o, final_state = fn(*args[:5], scale=args[5], initial_state=args[6], cu_seqlens=cu_seqlens, l2norm=l2norm)
     if repack:
         o = o.reshape(b, t, h, dv)
-        if every is not None:
-            states = states[:b * (t // every)].reshape(b, t // every, h, dk, dv)
-    result = (o.astype(v.dtype), final_state if output_final_state else None)
-    return result if every is None else (*result, states)
+    return o.astype(v.dtype), final_state if output_final_state else None
 
 
-def _pallas_per_shard(fn, args, l2norm, every):
+def _pallas_per_shard(fn, args, l2norm):
     """The Pallas kernels on packed sequences, each device on its heads (pallas_kernels.dispatch)."""
     def kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens):
         return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, l2norm=l2norm,
-                  every=every, interpret=not dispatch.on_gpu())
+                  interpret=not dispatch.on_gpu())
     tokens, state = (None, None, "heads", None), (None, "heads", None, None)
     roles = (tokens, tokens, tokens, tokens, (None, None, "heads"), None, state, None)
-    return dispatch.per_shard(kernel, args, roles, (tokens, state, None if every is None else state))
+    return dispatch.per_shard(kernel, args, roles, (tokens, state))
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens, every):
+def _check(q, k, v, g, beta, initial_state, cu_seqlens):
     """Validates the arguments; returns N, the number of sequences (rows of the states)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
@@ -133,8 +119,6 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, every):
         if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
             raise ValueError(f"cu_seqlens must hold integer offsets, got dtype {cu_seqlens.dtype}")
         num_states = cu_seqlens.shape[0] - 1
-    if every is not None and (not isinstance(every, int) or every < 1):
-        raise ValueError(f"output_state_every must be a positive int (a static token count), got {every!r}")
     expected = (num_states, h, dk, v.shape[3])
     if initial_state is not None and initial_state.shape != expected:
         raise ValueError(f"initial_state has shape {initial_state.shape}, expected [N, H, K, V] = {expected}")

@@ -10,8 +10,8 @@ Chunked form, per head and chunk of C = 64 tokens (the algebra of xla.py), in tw
 2. `_state_kernel`, one program per (sequence, head, BV columns of the state): the loop over the
    sequence's chunks, holding its fp32 [K, BV] state tile:
        v' = u - w S;   o = (q exp(G)) S + Aqk v';   S <- exp(G_last) S + (k exp(G_last - G))^T v'.
-Chunks come from layout.py: they never span two sequences, ragged ends are masked loads and
-stores, and with snapshots a chunk ends at each snapshot position, whose state is stored then.
+Chunks come from layout.py: they never span two sequences, and ragged ends are masked loads and
+stores.
 
 Decays are only ever exp of a non-positive number. A chunk is four blocks of BLOCK = 16 rows. For
 rows i of block a and keys j of an earlier block, the decay exp(G_i - G_j) splits at R_a, the
@@ -186,8 +186,8 @@ def _intra_kernel(scale_ref, start_ref, length_ref, q_ref, k_ref, v_ref, g_ref, 
     decay_ref[chunk, head, :] = jnp.exp(befores[-1])
 
 
-def _state_kernel(start_ref, length_ref, snapshot_ref, seq_first_ref, seq_chunks_ref, w_ref, u_ref, qg_ref,
-                  kg_ref, aqk_ref, decay_ref, initial_ref, o_ref, final_ref, *snapshot_out, width):
+def _state_kernel(start_ref, length_ref, seq_first_ref, seq_chunks_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref,
+                  decay_ref, initial_ref, o_ref, final_ref, *, width):
     seq, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     columns = pl.ds(block * width, width)
 
@@ -209,10 +209,6 @@ def _state_kernel(start_ref, length_ref, snapshot_ref, seq_first_ref, seq_chunks
             rows = pl.ds(start + a * STATE_ROWS, STATE_ROWS)
             valid = a * STATE_ROWS + jnp.arange(STATE_ROWS) < length
             state += _dot_tn(_load_rows(kg_ref, rows, head, valid), writes[a])
-        if snapshot_out:
-            row = snapshot_ref[chunk]
-            plgpu.store(snapshot_out[0].at[jnp.maximum(row, 0), head, :, columns], state,
-                        mask=jnp.full(state.shape, row >= 0))
         return state
 
     first = seq_first_ref[seq]
@@ -220,15 +216,15 @@ def _state_kernel(start_ref, length_ref, snapshot_ref, seq_first_ref, seq_chunks
     final_ref[seq, head, :, columns] = jax.lax.fori_loop(first, first + seq_chunks_ref[seq], chunk_step, state)
 
 
-def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, every=None, interpret=False):
+def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, interpret=False):
     """Packed q, k, g [1, T, H, K], v [1, T, H, V], beta [1, T, H]; cu_seqlens [N + 1]; initial_state
-    fp32 [N, H, K, V]. Returns (o [1, T, H, V] in v's dtype, final state fp32 [N, H, K, V], snapshots
-    fp32 [T // every, H, K, V] or None). K and V powers of 2 of at least 16."""
+    fp32 [N, H, K, V]. Returns (o [1, T, H, V] in v's dtype, final state fp32 [N, H, K, V]). K and V
+    powers of 2 of at least 16."""
     _, t, h, dk = q.shape
     dv = v.shape[-1]
     num_seqs = initial_state.shape[0]
-    num_chunks = layout.num_chunks_bound(t, num_seqs, CHUNK, every)
-    chunks = layout.chunk_layout(cu_seqlens, t, CHUNK, every, num_chunks)
+    num_chunks = layout.num_chunks_bound(t, num_seqs, CHUNK)
+    chunks = layout.chunk_layout(cu_seqlens, CHUNK, num_chunks)
     q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))  # the kernels index [T, H, *]
 
     def rows_of(width):
@@ -246,24 +242,22 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, eve
     )(_as_array(scale), chunks.start, chunks.length, q, k, v, g, beta)
 
     states = jax.ShapeDtypeStruct((num_seqs, h, dk, dv), jnp.float32)
-    snapshots = [jax.ShapeDtypeStruct((t // every, h, dk, dv), jnp.float32)] if every else []
     width = min(STATE_COLUMNS, dv)
-    o, final, *snapshot = pl.pallas_call(
+    o, final = pl.pallas_call(
         functools.partial(_state_kernel, width=width),
         grid=(num_seqs, h, dv // width),
-        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), states, *snapshots),
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), states),
         # Sizes checked with Triton 3.9 and ptxas for sm_90a: no spills to speak of (4 bytes) with
         # 16-row steps and eight warps; num_stages=2 would buffer each step's loads in shared memory.
         compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret,
         name="kda_chunk_state",
-    )(chunks.start, chunks.length, chunks.snapshot, chunks.seq_first, chunks.seq_chunks,
-      w, u, qg, kg, aqk, decay, initial_state)
-    return o[None], final, snapshot[0] if every else None
+    )(chunks.start, chunks.length, chunks.seq_first, chunks.seq_chunks, w, u, qg, kg, aqk, decay, initial_state)
+    return o[None], final
 
 
-def _recurrent_kernel(scale_ref, cu_ref, snapshot_first_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref,
-                      o_ref, final_ref, *snapshot_out, l2norm, every, width):
+def _recurrent_kernel(scale_ref, cu_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, o_ref, final_ref, *,
+                      l2norm, width):
     seq, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     columns = pl.ds(block * width, width)
     begin, scale = cu_ref[seq], scale_ref[0]
@@ -276,35 +270,27 @@ def _recurrent_kernel(scale_ref, cu_ref, snapshot_first_ref, q_ref, k_ref, v_ref
         error = v_ref[t, head, columns].astype(jnp.float32) - jnp.sum(k[:, None] * state, axis=0)
         state = state + k[:, None] * (beta_ref[t, head].astype(jnp.float32) * error)[None, :]
         o_ref[t, head, columns] = jnp.sum((scale * q)[:, None] * state, axis=0).astype(o_ref.dtype)
-        if snapshot_out:
-            position = t - begin + 1
-            row = snapshot_first_ref[seq] + position // every - 1
-            plgpu.store(snapshot_out[0].at[jnp.maximum(row, 0), head, :, columns], state,
-                        mask=jnp.full(state.shape, position % every == 0))
         return state
 
     state = initial_ref[seq, head, :, columns]
     final_ref[seq, head, :, columns] = jax.lax.fori_loop(begin, cu_ref[seq + 1], token, state)
 
 
-def fused_recurrent_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, every=None,
-                        interpret=False):
+def fused_recurrent_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, interpret=False):
     """The token loop, for decode; same arguments and results as chunk_kda."""
-    _, t, h, dk = q.shape
+    h, dk = q.shape[2:]
     dv = v.shape[-1]
     num_seqs = initial_state.shape[0]
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))  # the kernel indexes [T, H, *]
-    snapshot_first = layout.snapshot_offsets(cu_seqlens, every) if every else jnp.zeros((num_seqs,), jnp.int32)
     states = jax.ShapeDtypeStruct((num_seqs, h, dk, dv), jnp.float32)
-    snapshots = [jax.ShapeDtypeStruct((t // every, h, dk, dv), jnp.float32)] if every else []
     width = min(STATE_COLUMNS, dv)
-    o, final, *snapshot = pl.pallas_call(
-        functools.partial(_recurrent_kernel, l2norm=l2norm, every=every, width=width),
+    o, final = pl.pallas_call(
+        functools.partial(_recurrent_kernel, l2norm=l2norm, width=width),
         grid=(num_seqs, h, dv // width),
-        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), states, *snapshots),
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), states),
         compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
         interpret=interpret,
         name="kda_recurrent",
-    )(_as_array(scale), cu_seqlens, snapshot_first, q, k, v, g, beta, initial_state)
-    return o[None], final, snapshot[0] if every else None
+    )(_as_array(scale), cu_seqlens, q, k, v, g, beta, initial_state)
+    return o[None], final

@@ -5,9 +5,6 @@ Per head, with the state S [K, V] in fp32:
 Packed sequences (`cu_seqlens`) run in the same scan: the state is reset to the sequence's initial
 state at its first token, and the state after every token is written to that sequence's row of the
 final states, so the last write is the state after its last token. `cu_seqlens` may be traced.
-Snapshots (`every`, packed only) are written the same way, after each token whose position in its
-sequence (counted from 1) is a multiple of `every`, to row (snapshots of earlier sequences) + that
-multiple - 1.
 """
 
 from __future__ import annotations
@@ -26,10 +23,9 @@ def l2_normalize(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_NORM_EPS)
 
 
-def recurrent_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, every=None):
+def recurrent_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm):
     """q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] in any float dtype; initial_state fp32.
-    Returns (o fp32 [B, T, H, V], final state fp32 [N, H, K, V], snapshots fp32
-    [T // every, H, K, V] or None). Snapshots need cu_seqlens (api.py packs a batch for them)."""
+    Returns (o fp32 [B, T, H, V], final state fp32 [N, H, K, V])."""
     t = q.shape[1]
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))  # scan over time
 
@@ -45,29 +41,18 @@ def recurrent_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm,
 
     if cu_seqlens is None:
         state, o = jax.lax.scan(lambda s, x: token(s, *x), initial_state, xs)
-        return jnp.moveaxis(o, 0, 1), state, None
+        return jnp.moveaxis(o, 0, 1), state
 
     tokens = jnp.arange(t)
     seq = jnp.searchsorted(cu_seqlens[1:], tokens, side="right").astype(jnp.int32)  # skips empty sequences
     starts = tokens == cu_seqlens[seq]
-    position = tokens - cu_seqlens[seq] + 1  # counted from 1
-    snapshots = jnp.zeros((t // every if every else 0, *initial_state.shape[1:]), jnp.float32)
-    if every:
-        full = (cu_seqlens[1:] - cu_seqlens[:-1]) // every
-        rows = jnp.where(position % every == 0, (jnp.cumsum(full) - full)[seq] + position // every - 1, -1)
-    else:
-        rows = jnp.full((t,), -1)
 
     def step(carry, x):
-        state, finals, snapshots = carry
-        n, is_start, row, *inputs = x
+        state, finals = carry
+        n, is_start, *inputs = x
         state = jnp.where(is_start, initial_state[n][None], state)  # the batch axis is 1 when packed
         state, o = token(state, *inputs)
-        if every:
-            kept = jnp.maximum(row, 0)
-            snapshots = snapshots.at[kept].set(jnp.where(row >= 0, state[0], snapshots[kept]))
-        return (state, finals.at[n].set(state[0]), snapshots), o
+        return (state, finals.at[n].set(state[0])), o
 
-    (_, finals, snapshots), o = jax.lax.scan(step, (initial_state[:1], initial_state, snapshots),
-                                             (seq, starts, rows, *xs))
-    return jnp.moveaxis(o, 0, 1), finals, snapshots if every else None
+    (_, finals), o = jax.lax.scan(step, (initial_state[:1], initial_state), (seq, starts, *xs))
+    return jnp.moveaxis(o, 0, 1), finals

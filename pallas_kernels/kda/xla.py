@@ -46,10 +46,9 @@ SAFE_EXPONENT = 40.0
 _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
-def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, every=None):
+def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm):
     """q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], any float dtype; initial_state fp32.
-    Returns (o fp32 [B, T, H, V], final state fp32 [N, H, K, V], snapshots fp32 [T // every, H, K, V]
-    or None). Snapshots (`every`) need cu_seqlens: api.py packs a batch for them."""
+    Returns (o fp32 [B, T, H, V], final state fp32 [N, H, K, V])."""
     b, t, h, _ = q.shape
     run = functools.partial(_chunked, scale=scale, initial_state=initial_state, l2norm=l2norm)
     if cu_seqlens is None:
@@ -59,23 +58,20 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, l2norm, eve
         def pad(x):  # zero q, k, v, beta and g leave the state as it is
             return x if padded == t else jnp.pad(x, [(0, 0), (0, padded - t)] + [(0, 0)] * (x.ndim - 2))
 
-        o, final, _ = run(*map(pad, (q, k, v, g, beta)), segments=None, group=group, num_snapshots=0)
-        return o[:, :t], final, None
+        o, final = run(*map(pad, (q, k, v, g, beta)), segments=None, group=group)
+        return o[:, :t], final
 
-    # Packed sequences: each one (and each piece between snapshots) starts on a chunk boundary of a
-    # padded layout, so no chunk holds two sequences and every snapshot ends a chunk.
+    # Packed sequences: each one starts on a chunk boundary of a padded layout, so no chunk holds two.
     num_seqs = initial_state.shape[0]
-    group, steps = _grouping(layout.num_chunks_bound(t, num_seqs, CHUNK, every), h)
-    chunks = layout.chunk_layout(cu_seqlens, t, CHUNK, every, steps * group)
-    dest = layout.padded_positions(cu_seqlens, t, CHUNK, every, chunks)
+    group, steps = _grouping(layout.num_chunks_bound(t, num_seqs, CHUNK), h)
+    chunks = layout.chunk_layout(cu_seqlens, CHUNK, steps * group)
+    dest = layout.padded_positions(cu_seqlens, t, CHUNK, chunks)
 
     def scatter(x):
         return jnp.zeros((1, steps * group * CHUNK, *x.shape[2:]), x.dtype).at[:, dest].set(x)
 
-    segments = (chunks.first, chunks.last, chunks.seq, chunks.snapshot)
-    o, finals, snapshots = run(*map(scatter, (q, k, v, g, beta)), segments=segments, group=group,
-                               num_snapshots=t // every if every else 0)
-    return o[:, dest], finals, snapshots if every else None
+    o, finals = run(*map(scatter, (q, k, v, g, beta)), segments=(chunks.first, chunks.last, chunks.seq), group=group)
+    return o[:, dest], finals
 
 
 def _grouping(num_chunks, rows):
@@ -85,11 +81,10 @@ def _grouping(num_chunks, rows):
     return max(1, -(-num_chunks // steps)), steps
 
 
-def _chunked(q, k, v, g, beta, *, scale, initial_state, l2norm, segments, group, num_snapshots):
+def _chunked(q, k, v, g, beta, *, scale, initial_state, l2norm, segments, group):
     """Inputs [B, T, H, *] with T a multiple of group * CHUNK. Without segments each batch row is
     one sequence; with segments (B = 1) the state restarts from initial_state[seq] at a sequence's
-    first chunk, is recorded as its final state at its last chunk, and as snapshot row `snapshot`
-    after a chunk that has one. Returns (o, final states, snapshots [num_snapshots, H, K, V])."""
+    first chunk and is recorded as its final state at its last chunk. Returns (o, final states)."""
     b, t, h, _ = q.shape
     span = group * CHUNK
 
@@ -111,31 +106,27 @@ def _chunked(q, k, v, g, beta, *, scale, initial_state, l2norm, segments, group,
              + _einsum("...cs,...sv->...cv", a_qk, writes))  # [group, B, H, C, V]
         return carry, jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, span, h, -1)
 
-    snapshots = jnp.zeros((num_snapshots, *initial_state.shape[1:]), jnp.float32)
     if segments is None:
-        init = (initial_state, None, snapshots)
+        init = (initial_state, None)
     else:
-        init = (jnp.zeros_like(initial_state[:1]), initial_state, snapshots)  # empty sequences keep their row
-    (state, finals, snapshots), o = jax.lax.scan(step, init, jnp.arange(t // span))
+        init = (jnp.zeros_like(initial_state[:1]), initial_state)  # empty sequences keep their row
+    (state, finals), o = jax.lax.scan(step, init, jnp.arange(t // span))
     o = jnp.moveaxis(o, 0, 1).reshape(b, t, h, -1)  # free when B == 1
-    return o, state if segments is None else finals, snapshots
+    return o, state if segments is None else finals
 
 
 def _pass_state(initial_state, carry, xs):
     """One chunk of the state passing for all heads: returns the state before it and its writes v'."""
-    state, finals, snapshots = carry
+    state, finals = carry
     u, w, k_decayed, decay, *segment = xs
     if segment:
-        first, last, seq, snapshot = segment
+        first, last, seq = segment
         state = jnp.where(first, initial_state[seq][None], state)
     writes = u - _einsum("bhck,bhkv->bhcv", w, state)
     new_state = decay[..., None] * state + _einsum("bhck,bhcv->bhkv", k_decayed, writes)
     if segment:
         finals = finals.at[seq].set(jnp.where(last, new_state[0], finals[seq]))
-        if snapshots.shape[0]:
-            row = jnp.maximum(snapshot, 0)
-            snapshots = snapshots.at[row].set(jnp.where(snapshot >= 0, new_state[0], snapshots[row]))
-    return (new_state, finals, snapshots), (state, writes)
+    return (new_state, finals), (state, writes)
 
 
 def _intra(q, k, v, g, beta):

@@ -80,7 +80,7 @@ def test_kda_kernels_per_shard(mesh, op):
     cu, s0, inputs = test_kda_pallas.packed([5, 64, 70], seed=3)
     q, k, v, g, beta = test_kda_pallas.f32(*inputs)
     s0, cu = jnp.asarray(s0, jnp.float32), jnp.asarray(cu)
-    kw = {"cu_seqlens": cu, "output_final_state": True, "output_state_every": 32}
+    kw = {"cu_seqlens": cu, "output_final_state": True}
 
     def run(q, k, v, g, beta, s0):
         return op(q, k, v, g, beta, initial_state=s0, impl="pallas", **kw)

@@ -1,5 +1,5 @@
-"""KDA Pallas-Triton kernels (interpret mode) against a float64 NumPy loop, the state snapshots of
-every implementation, and lowering of the kernels to Triton for an H200 and an MI300 at K3's shapes."""
+"""KDA Pallas-Triton kernels (interpret mode) against a float64 NumPy loop, the packed chunk layout,
+and lowering of the kernels to Triton for an H200 and an MI300 at K3's shapes."""
 
 import functools
 
@@ -95,69 +95,16 @@ def test_l2norm_in_kernel_and_custom_scale(fn, impl):
         assert_close(s[b], ref_s, FP32_REL)
 
 
-# (fn, impl, every): page-sized snapshots (chunk boundaries) and boundaries inside chunks; the XLA
-# chunked path shares layout.py with the Pallas one, so it is checked on the harder spacing only.
-SNAPSHOT_CASES = [(chunk_kda, "pallas", 64), (chunk_kda, "pallas", 5), (fused_recurrent_kda, "pallas", 64),
-                  (fused_recurrent_kda, "pallas", 5), (chunk_kda, "xla", 5), (chunk_kda, "reference", 64),
-                  (chunk_kda, "reference", 5)]
-SNAPSHOT_LENGTHS = [1, 0, 70, 12]  # a short one without snapshots, an empty one, ragged ends
-
-
-@pytest.mark.parametrize(("fn", "impl", "every"), SNAPSHOT_CASES,
-                         ids=[f"{fn.__name__.split('_')[0]}-{impl}-{every}" for fn, impl, every in SNAPSHOT_CASES])
-def test_packed_snapshots_are_final_states_of_prefixes(fn, impl, every):
-    """Each snapshot equals the final state of the reference run on the sequence cut after that position."""
-    cu, s0, (q, k, v, g, beta) = packed(SNAPSHOT_LENGTHS, seed=4)
-    o, s, snaps = fn(*f32(q, k, v, g, beta), initial_state=f32(s0)[0], cu_seqlens=jnp.asarray(cu),
-                     output_final_state=True, output_state_every=every, impl=impl)
-    assert snaps.shape == (int(cu[-1]) // every, H, K, V) and snaps.dtype == jnp.float32
-    row = 0
-    for n, length in enumerate(SNAPSHOT_LENGTHS):
-        part = slice(cu[n], cu[n + 1])
-        ref_o, ref_s = numpy_kda(q[0, part], k[0, part], v[0, part], g[0, part], beta[0, part], K ** -0.5, s0[n])
-        if length:  # the outputs do not depend on where the snapshots fall
-            assert_close(o[0, part], ref_o, FP32_REL)
-        assert_close(s[n], ref_s, FP32_REL)
-        for end in range(every, length + 1, every):
-            prefix = slice(cu[n], cu[n] + end)
-            _, ref_snap = numpy_kda(q[0, prefix], k[0, prefix], v[0, prefix], g[0, prefix], beta[0, prefix],
-                                    K ** -0.5, s0[n])
-            assert_close(snaps[row], ref_snap, FP32_REL)
-            row += 1
-    assert row == sum(length // every for length in SNAPSHOT_LENGTHS)
-
-
-@pytest.mark.parametrize(("fn", "impl"), [(fused_recurrent_kda, "pallas"), (chunk_kda, "reference")],
-                         ids=["recurrent-pallas", "reference"])
-def test_batch_snapshots_per_row(fn, impl):
-    """Without cu_seqlens the snapshots are [B, T // every, H, K, V], per batch row (api.py packs the
-    batch for every implementation, so two of them check it)."""
-    every = 3
-    q, k, v, g, beta = make_inputs((2, 8), seed=5)  # a speculative window: the state after every few tokens
-    o, s, snaps = fn(*f32(q, k, v, g, beta), output_final_state=True, output_state_every=every, impl=impl)
-    assert snaps.shape == (2, 8 // every, H, K, V)
-    for b in range(2):
-        for i in range(8 // every):
-            end = every * (i + 1)
-            _, ref_snap = numpy_kda(q[b, :end], k[b, :end], v[b, :end], g[b, :end], beta[b, :end], K ** -0.5)
-            assert_close(snaps[b, i], ref_snap, FP32_REL)
-    o_plain, s_plain = fn(*f32(q, k, v, g, beta), output_final_state=True, impl=impl)  # the two-result form
-    assert_close(o, o_plain, FP32_REL)
-    assert_close(s, s_plain, FP32_REL)
-
-
-@pytest.mark.parametrize("every", [None, 1, 5, 64, 100])
-def test_chunk_layout_tiles_each_sequence(every):
-    """Chunks cover each sequence in order, hold 1..64 tokens, never cross a snapshot position, and
-    the chunk ending at each snapshot position names its row; padded positions follow the chunks."""
+def test_chunk_layout_tiles_each_sequence():
+    """Chunks cover each sequence in order and hold 1..64 tokens; padded positions follow the chunks."""
     lengths = [1, 64, 0, 70, 3, 130, 200]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     t, chunk = int(cu[-1]), 64
-    num_chunks = layout.num_chunks_bound(t, len(lengths), chunk, every) + 3  # spare rows stay unused
-    traced = layout.chunk_layout(jnp.asarray(cu), t, chunk, every, num_chunks)
-    positions = np.asarray(layout.padded_positions(jnp.asarray(cu), t, chunk, every, traced))
+    num_chunks = layout.num_chunks_bound(t, len(lengths), chunk) + 3  # spare rows stay unused
+    traced = layout.chunk_layout(jnp.asarray(cu), chunk, num_chunks)
+    positions = np.asarray(layout.padded_positions(jnp.asarray(cu), t, chunk, traced))
     chunks = layout.ChunkLayout(*map(np.asarray, traced))
-    row, used = 0, set()
+    used = set()
     for n, length in enumerate(lengths):
         first, count = chunks.seq_first[n], chunks.seq_chunks[n]
         token = cu[n]
@@ -165,27 +112,17 @@ def test_chunk_layout_tiles_each_sequence(every):
             end = chunks.start[c] + chunks.length[c]
             assert chunks.start[c] == token and 1 <= chunks.length[c] <= chunk and chunks.seq[c] == n
             assert (chunks.first[c], chunks.last[c]) == (c == first, c == first + count - 1)
-            if every:  # no snapshot position strictly inside the chunk
-                assert (end - cu[n] - 1) // every == (token - cu[n]) // every
-            at_snapshot = every is not None and (end - cu[n]) % every == 0
-            assert chunks.snapshot[c] == (row if at_snapshot else -1)
-            row += at_snapshot
             np.testing.assert_array_equal(positions[token:end], c * chunk + np.arange(end - token))
             used.add(c)
             token = end
         assert token == cu[n + 1]
-    assert row == (sum(length // every for length in lengths) if every else 0)
     unused = [c for c in range(num_chunks) if c not in used]
-    assert (chunks.length[unused] == 0).all() and (chunks.snapshot[unused] == -1).all()
+    assert (chunks.length[unused] == 0).all()
     assert not (chunks.first[unused] | chunks.last[unused]).any()
 
 
 def test_bad_arguments_name_the_argument():
     q, k, v, g, beta = f32(*make_inputs((1, 4), seed=6))
-    with pytest.raises(ValueError, match="output_state_every must be a positive int"):
-        chunk_kda(q, k, v, g, beta, output_state_every=0)
-    with pytest.raises(ValueError, match="output_state_every must be a positive int"):
-        fused_recurrent_kda(q, k, v, g, beta, output_state_every=2.5)
     with pytest.raises(ValueError, match=r"impl='pallas' does not take .*q \(1, 4, 2, 24\)"):
         chunk_kda(q[..., :24], k[..., :24], v, g[..., :24], beta, impl="pallas")
     with pytest.raises(ValueError, match=r"impl='pallas' does not take .*v \(1, 4, 2, 8\)"):
@@ -203,14 +140,13 @@ def test_auto_is_xla_off_gpu():
 K3_T, K3_H, K3_D = 8192, 12, 128
 
 
-@pytest.mark.parametrize("every", [None, 64])
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 @pytest.mark.parametrize(("kernel", "calls"), [(pallas_triton.chunk_kda, 2), (pallas_triton.fused_recurrent_kda, 1)],
                          ids=["chunk", "recurrent"])
-def test_lowers_to_triton_at_k3_shapes(kernel, calls, platform, every):
+def test_lowers_to_triton_at_k3_shapes(kernel, calls, platform):
     def run(q, k, v, g, beta, initial_state, cu_seqlens):
         return kernel(q, k, v, g, beta, scale=K3_D ** -0.5, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                      l2norm=True, every=every)
+                      l2norm=True)
 
     rows = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     args = (rows((1, K3_T, K3_H, K3_D)), rows((1, K3_T, K3_H, K3_D)), rows((1, K3_T, K3_H, K3_D)),
