@@ -31,6 +31,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "expert_mlp": (),
     "expert_embed": (),
     "norm": (),
+    "vision": (),  # the vision tower runs data-parallel: its 12 heads divide neither 8 nor 16 ways
     # caches and activations
     "batch": ("data",),
     "cache_heads": ("model",),  # KDA recurrent state by head

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from convert.reader import CheckpointError, SafetensorsReader
 from convert.vision_layout import vision_rules
@@ -23,6 +22,7 @@ from k3jax.config import K3Config
 from k3jax.vision.config import DEFAULT_MAX_PIXELS, ImageProcessorConfig, VisionConfig, vision_config
 from k3jax.vision.preprocess import PreparedImage, prepare
 from k3jax.vision.tower import VisionTower
+from sharding.axes import named_sharding
 
 _PREFIXES = ("vision_tower.", "mm_projector.")
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -39,8 +39,7 @@ class VisionEncoder:
     def __init__(self, cfg: VisionConfig, processor: ImageProcessorConfig, graphdef, params, mesh=None):
         self.config, self.processor = cfg, processor
         self.graphdef = graphdef
-        # The encoder runs data-parallel (vLLM's mm-encoder data mode): its weights replicate.
-        self.params = params if mesh is None else jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+        self.params = params if mesh is None else _place(params, mesh)
 
     @classmethod
     def random(cls, cfg: VisionConfig, processor: ImageProcessorConfig | None = None, *, dtype="float32",
@@ -97,6 +96,15 @@ def encoder_from_tensors(vcfg: VisionConfig, processor: ImageProcessorConfig, st
     if left:
         raise AssertionError(f"the vision layout fills no value for tower parameters {left[:5]}")
     return VisionEncoder(vcfg, processor, graphdef, nnx.from_flat_state(list(values.items())), mesh)
+
+
+def _place(params, mesh):
+    """Each parameter with the sharding of its logical axes (the table replicates "vision")."""
+    flat = []
+    for path, v in nnx.to_flat_state(params):
+        sharding = named_sharding(v.logical_axes, v.get_value().shape, mesh)
+        flat.append((path, v.replace(jax.device_put(v.get_value(), sharding))))
+    return nnx.from_flat_state(flat)
 
 
 def _read(reader: SafetensorsReader, rule) -> np.ndarray:

@@ -19,7 +19,7 @@ from flax import nnx
 from k3jax.layers.common import param, rms_norm
 from k3jax.vision.config import LAYERNORM, PATCHMERGER_V2, VisionConfig
 
-# The encoder runs data-parallel (12 heads split neither 8 nor 16 ways), so every axis replicates.
+# One logical axis for every dimension: the table (sharding.axes) replicates the tower.
 _AXES = ("vision", "vision")
 
 

@@ -24,6 +24,7 @@ from k3jax.presets import PRESETS
 from k3jax.vision.config import ImageProcessorConfig, VisionConfig, vision_config
 from k3jax.vision.encoder import VisionEncoder, encoder_from_tensors, load_vision_encoder
 from k3jax.vision.preprocess import PreparedImage, decode_image, num_image_tokens, prepare
+from sharding.mesh import make_mesh
 from tests.k3jax import moonvit_reference
 
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "kimi_k25_vision.npz"
@@ -218,6 +219,9 @@ def test_k3_tiny_checkpoint_vision_round_trip(tmp_path):
     pixels = np.random.default_rng(0).integers(0, 256, (50, 60, 3), np.uint8)
     features = encoder.encode(_encoded(pixels, "PNG"))
     assert features.shape == (6, cfg.hidden_size) and np.isfinite(features).all()
+    sharded = load_vision_encoder(tmp_path, cfg, dtype="float32", mesh=make_mesh("8x2"))  # replicated
+    assert sharded.params["blocks"][0]["fc0"]["kernel"][...].sharding.is_fully_replicated
+    np.testing.assert_array_equal(sharded.encode(_encoded(pixels, "PNG")), features)
     # A checkpoint without vision tensors (or a text-only config) gives no encoder.
     text_only = {n: v for n, v in stored.items() if not n.startswith(("vision_", "mm_"))}
     (tmp_path / "text").mkdir()
