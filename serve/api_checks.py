@@ -99,13 +99,30 @@ async def completion_prompt_ids(prompts: list[str | list[int]], tokenizer, vocab
 
 
 async def chat_prompt_ids(tokenizer, messages: list[dict], max_model_len: int, **options) -> list[int]:
-    """The chat prompt's token ids (encoded and tokenized in a worker thread), checked for length."""
+    """The chat prompt's token ids (encoded and tokenized in a worker thread), checked for length;
+    messages whose text alone cannot fit are refused without being tokenized."""
+    if (length := _text_length(messages)) > tokenizer.max_token_bytes * (max_model_len - 1):
+        raise FieldError("messages", f"messages: {length} characters of text cannot fit max_model_len="
+                                     f"{max_model_len} tokens")
     try:
         ids = await asyncio.to_thread(tokenize_messages, tokenizer, messages, **options)
     except ValueError as error:
         raise field_error(error) from error
     check_length("messages", len(ids), max_model_len)
     return ids
+
+
+def _text_length(messages: list) -> int:
+    """Characters of the messages' content (strings and text parts): text the prompt surely holds,
+    so a lower bound of its tokens times max_token_bytes (the encoder checks the shapes later)."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            total += len(text) if isinstance(text, str) else 0
+    return total
 
 
 def check_length(field: str, num_tokens: int, max_model_len: int) -> None:
