@@ -21,6 +21,8 @@ from k3jax.config import ConfigError, K3Config
 
 LAYERNORM, RMSNORM = "layernorm", "rmsnorm"
 PATCHMERGER, PATCHMERGER_V2 = "patchmerger", "patchmergerv2"
+_ONLY = {"pos_emb_type": ("divided_fixed",), "merge_type": ("sd2_tpool",), "mlp_type": ("mlp2",),
+         "activation_func": ("gelu_pytorch_tanh",), "hidden_act": ("gelu_pytorch_tanh",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,9 @@ class VisionConfig:
                     return d[key]
             return default
 
+        for key, supported in _ONLY.items():  # the forms vLLM implements; it raises on the others too
+            if d.get(key) is not None and d[key] not in supported:
+                raise ConfigError(f"vision_config.{key} {d[key]!r} is not supported (only {', '.join(supported)})")
         hidden = int(get("vt_hidden_size", "hidden_size", default=1024 if k3 else 1152))
         merge = get("merge_kernel_size", default=(2, 2))
         norm_type = get("norm_type", default=RMSNORM if k3 else LAYERNORM)

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from convert import synth
 from convert.vision_layout import vision_rules
-from k3jax.config import K3Config
+from k3jax.config import ConfigError, K3Config
 from k3jax.presets import PRESETS
 from k3jax.vision.config import ImageProcessorConfig, VisionConfig, vision_config
 from k3jax.vision.encoder import VisionEncoder, encoder_from_tensors, load_vision_encoder
@@ -110,6 +110,13 @@ def test_k3_config_picks_the_k3_variant(k3_tiny):
     full = VisionConfig.from_hf_dict({}, k3=True, text_hidden_size=7168)  # K3's defaults (spec 6.2)
     assert (full.num_layers, full.hidden_size, full.num_heads, full.qkv_size, full.intermediate_size) == \
         (27, 1024, 12, 1536, 4096)
+
+
+@pytest.mark.parametrize("key, value", [("merge_type", "conv"), ("activation_func", "quick_gelu"),
+                                        ("norm_type", "batchnorm"), ("qkv_hidden_size", 50)])
+def test_unsupported_vision_configs_are_named(key, value):
+    with pytest.raises(ConfigError, match=key if key != "qkv_hidden_size" else "qkv width 50"):
+        VisionConfig.from_hf_dict({key: value}, k3=True, text_hidden_size=64)
 
 
 @pytest.mark.parametrize("grid", [(8, 8), (4, 6), (12, 10)])  # the table's own size, smaller, larger
