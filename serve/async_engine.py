@@ -9,8 +9,8 @@ is answered with 503s instead of growing memory.
 
 Outputs travel as deltas (what each step added), so a request's output is copied once, not once
 per step. The engine thread never waits for a reader; instead, before each step, a group whose
-reader has more than `max_backlog` outputs unread is paused (its requests keep their cache but
-take no part in steps) until the reader catches up, and aborted if it stays behind for
+reader has more than `max_backlog` outputs per request unread is paused (its requests keep their
+cache but take no part in steps) until the reader catches up, and aborted if it stays behind for
 `stall_timeout_s`: a reader that does not read stalls only its own requests, and what it makes the
 server hold is bounded. A request that fails alone (finish_reason "error") fails its group with
 RequestFailed; the others go on. When a step finds nothing to run, the thread sleeps until the next
@@ -54,7 +54,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, *, max_queued_requests: int, metrics: ServerMetrics | None = None,
                  max_backlog: int = 256, stall_timeout_s: float = 30.0):
         self.engine = engine
-        self.max_backlog = max_backlog  # unread outputs of a group before its stall clock starts
+        self.max_backlog = max_backlog  # unread outputs per request of a group before the group is paused
         self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics or ServerMetrics()
         self.capacity = engine.options.max_num_seqs + max_queued_requests
@@ -203,12 +203,12 @@ class AsyncEngine:
                 self._release(1)
 
     def _throttle(self) -> tuple[bool, bool]:
-        """Pauses the groups whose readers are more than max_backlog outputs behind and resumes those
-        that caught up; aborts a group paused for longer than stall_timeout_s. Returns (whether any
-        group stays paused, whether any was resumed or aborted)."""
+        """Pauses the groups whose readers are more than max_backlog outputs per request behind and
+        resumes those that caught up; aborts a group paused for longer than stall_timeout_s. Returns
+        (whether any group stays paused, whether any was resumed or aborted)."""
         now, any_paused, changed = time.monotonic(), False, False
         for group in {tracked.group for tracked in self._requests.values()}:
-            behind = group.backlog > self.max_backlog
+            behind = group.backlog > self.max_backlog * len(group.request_ids)
             if behind != (group.stalled_since is not None):
                 group.stalled_since = now if behind else None
                 changed |= not behind
