@@ -53,7 +53,8 @@ $(TORCH_PY): | $(PY)
 	$(TORCH_PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(TORCH_PY) -m pip install -q transformers==5.23.0 safetensors numpy
 
-bench: $(STAMP) $(TORCH_PY)
+# the torch side is built only for a run that includes compare_transformers (all of them, or named)
+bench: $(STAMP) $(if $(ONLY),$(if $(findstring compare_transformers,$(ONLY)),$(TORCH_PY)),$(TORCH_PY))
 	K3JAX_TORCH_PYTHON=$(TORCH_PY) $(PY) -m benchmarks.run_all $(if $(ONLY),--only $(ONLY))
 
 clean:
