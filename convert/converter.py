@@ -20,13 +20,15 @@ import numpy as np
 
 from convert import layout
 from convert.hf_params import HfParams
-from convert.orbax_params import FORMAT, MANIFEST, OrbaxParams, key, layer_item, model_item, save_item, writer
+from convert.orbax_params import (FORMAT, MANIFEST, VISION_ITEM, OrbaxParams, key, layer_item, model_item, save_item,
+                                  writer)
 from convert.reader import CheckpointError
 from k3jax.config import K3Config
 
 # Small files that travel with the weights (tokenizer, generation defaults, remote code).
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
-               "special_tokens_map.json", "tiktoken.model", "chat_template.jinja")
+               "special_tokens_map.json", "tiktoken.model", "chat_template.jinja",
+               "preprocessor_config.json")
 
 
 def checksum(array) -> str:
@@ -68,9 +70,12 @@ def _write(source: HfParams, cfg: K3Config, directory: str, dtype: str, out) -> 
     checkpointer = writer()
     items = {}
     groups = itertools.chain(((model_item(p), lambda p=p, a=a: {p: a}) for p, a in source.model_arrays()),
-                             ((layer_item(i), lambda i=i: source.layer(i)) for i in range(cfg.num_hidden_layers)))
+                             ((layer_item(i), lambda i=i: source.layer(i)) for i in range(cfg.num_hidden_layers)),
+                             [(VISION_ITEM, source.vision)])
     for name, read in groups:
         arrays = read()
+        if not arrays:  # a text-only checkpoint has no vision item
+            continue
         save_item(directory, name, arrays, checkpointer)
         # Hashing releases the GIL: it runs while Orbax writes the same (never modified) arrays.
         items[name] = {key(p): {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": checksum(a)}

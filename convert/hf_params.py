@@ -15,7 +15,10 @@ import numpy as np
 
 from convert import layout
 from convert.reader import CheckpointError, SafetensorsReader
+from convert.vision_layout import PREFIXES as VISION_PREFIXES
+from convert.vision_layout import vision_arrays
 from k3jax.config import K3Config
+from k3jax.vision.config import vision_config
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -55,6 +58,15 @@ class HfParams:
         shardings = shardings or {}
         return {r.path: self._cast(r, self._read(r, prefix + r.name, shardings.get(r.path)))
                 for r in layout.layer_rules(self.cfg, attn, mlp)}
+
+    def vision(self) -> dict[tuple, np.ndarray]:
+        """The vision tower's parameters by path in the tower (`convert.vision_layout`); {} when the
+        config has no tower or the checkpoint no vision tensors (a text-only checkpoint)."""
+        vcfg = vision_config(self.cfg)
+        stored = {n for n in self.reader.names() if n.startswith(VISION_PREFIXES)}
+        if vcfg is None or not stored:
+            return {}
+        return vision_arrays(vcfg, stored, lambda r: self._cast(r, self._tensor(r, r.name, r.shape)))
 
     def _cast(self, rule: layout.Rule, array: np.ndarray) -> np.ndarray:
         """`array` in the parameter dtype and C order (a copy only when one of them changes)."""

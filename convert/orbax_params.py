@@ -3,6 +3,7 @@
     OUT/config.json, tokenizer files, manifest.json
     OUT/params/model.embed_tokens, model.lm_head.kernel, ...   one item per model-level tensor
     OUT/params/layer_00000                                     decoder layer 0 (MXFP4 experts packed), ...
+    OUT/params/vision                                          the vision tower and projector, if any
 
 One item per layer keeps conversion streaming (one layer in host memory) and lets a restore read
 each layer straight into its device shards. The model-level tensors get an item each because the
@@ -24,6 +25,9 @@ from k3jax.config import K3Config
 PARAMS_DIR = "params"
 MANIFEST = "manifest.json"
 FORMAT = "k3jax-orbax-v2"  # v2: uncompressed items, one item per model-level tensor
+
+
+VISION_ITEM = "vision"  # the vision tower and projector, one item (K3's: 0.4B parameters)
 
 
 def layer_item(layer: int) -> str:
@@ -68,6 +72,13 @@ class OrbaxParams:
 
     def layer(self, index: int, shardings: dict | None = None) -> dict[tuple, jax.Array]:
         return self.restore(layer_item(index), shardings or {})
+
+    def vision(self) -> dict[tuple, jax.Array]:
+        """The vision tower's parameters, {} when the converter wrote none (a text-only checkpoint)."""
+        if VISION_ITEM not in self.manifest["items"]:
+            return {}
+        # Item keys are strings: the block index in ("blocks", "3", ...) turns back into the list index.
+        return {tuple(int(p) if p.isdigit() else p for p in path): a for path, a in self.restore(VISION_ITEM).items()}
 
     def check_unused(self) -> None:
         """Nothing to check: the converter wrote exactly the parameters (the manifest lists them)."""

@@ -8,8 +8,13 @@ The synthetic checkpoint writer and the loader (`k3jax.vision.weights`) both rea
 
 from __future__ import annotations
 
+import numpy as np
+
 from convert.layout import BF16, Rule
+from convert.reader import CheckpointError
 from k3jax.vision.config import LAYERNORM, PATCHMERGER_V2, VisionConfig
+
+PREFIXES = ("vision_tower.", "mm_projector.")
 
 
 def vision_rules(cfg: VisionConfig) -> list[Rule]:
@@ -38,6 +43,31 @@ def vision_rules(cfg: VisionConfig) -> list[Rule]:
     if v2:
         rules.append(_vector("mm_projector.post_norm.weight", out, ("projector", "post_norm", "weight")))
     return rules
+
+
+def vision_arrays(cfg: VisionConfig, stored: set[str], read) -> dict[tuple, np.ndarray]:
+    """The tower's parameters by path (in the tower module) from checkpoint tensors: `stored` names
+    every vision tensor the checkpoint has, `read(rule)` returns one as stored. A missing, unknown or
+    misshapen tensor is a CheckpointError naming it."""
+    rules = vision_rules(cfg)
+    unknown = sorted(stored - {r.name for r in rules})
+    if unknown:
+        raise CheckpointError(f"{len(unknown)} vision tensors match no parameter of the vision config, "
+                              f"e.g. {unknown[:5]}")
+    missing = sorted(r.name for r in rules if r.name not in stored)
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks vision tensors {missing[:5]}")
+    out = {}
+    for rule in rules:
+        array = read(rule)
+        if tuple(array.shape) != rule.shape:
+            raise CheckpointError(f"{rule.name} has shape {tuple(array.shape)}, expected {rule.shape}")
+        if rule.transform == "linear":  # [out, in] -> [in, out]
+            array = array.T
+        elif rule.transform == "patch":  # [D, 3, p, p] -> [3*p*p, D]
+            array = array.reshape(array.shape[0], -1).T
+        out[rule.path] = np.ascontiguousarray(array)
+    return out
 
 
 def _vector(name: str, size: int, path: tuple) -> Rule:

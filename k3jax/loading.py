@@ -30,7 +30,7 @@ from sharding.mesh import make_mesh
 
 def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> K3Model:
     """Loads K3 or Kimi Linear from `path` (Hugging Face safetensors or a `python -m convert` output),
-    with the vision tower as `model.vision` when the safetensors checkpoint has one (else None).
+    with the vision tower as `model.vision` when the checkpoint has one (else None).
 
     `dtype` ("bfloat16" or "float32") is the weight and activation dtype; the gate parameters, conv
     weights and router bias stay float32 and MXFP4 experts stay packed. `mesh` (None, a string such as
@@ -57,8 +57,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> 
     if missing:
         raise CheckpointError(f"the checkpoint filled no value for parameters {missing[:5]}")
     params = nnx.from_flat_state([(p, targets[p].replace(values[p])) for p in targets])
-    # The converter writes the text model only: a converted directory loads without its vision tower.
-    vision = None if is_converted(path) else load_vision_encoder(path, cfg, dtype=dtype, mesh=mesh)
+    vision = load_vision_encoder(path, cfg, dtype=dtype, mesh=mesh, source=source)
     return K3Model(cfg, graphdef, params, mesh, vision)
 
 

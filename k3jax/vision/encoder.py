@@ -1,8 +1,8 @@
 """VisionEncoder: a loaded vision tower with its image-processor config; images -> text-width embeddings.
 
 `load_vision_encoder` fills the tower from the checkpoint's `vision_tower.*` / `mm_projector.*`
-tensors (layout in `convert.vision_layout`). A checkpoint without them, or a text-only config, gives
-None: the text model loads as before.
+tensors (layout in `convert.vision_layout`), or from a converted directory's vision item. A checkpoint
+without them, or a text-only config, gives None: the text model loads as before.
 """
 
 from __future__ import annotations
@@ -12,21 +12,16 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from convert.reader import CheckpointError, SafetensorsReader
-from convert.vision_layout import vision_rules
+from convert.hf_params import HfParams
+from convert.orbax_params import OrbaxParams, is_converted
 from k3jax.config import K3Config
 from k3jax.vision.config import DEFAULT_MAX_PIXELS, ImageProcessorConfig, VisionConfig, vision_config
 from k3jax.vision.preprocess import PreparedImage, prepare
 from k3jax.vision.tower import VisionTower
 from sharding.axes import named_sharding
-
-_PREFIXES = ("vision_tower.", "mm_projector.")
-_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _encode(graphdef, params, pixel_values, grid_hw):
@@ -60,42 +55,28 @@ class VisionEncoder:
 
 
 def load_vision_encoder(path: str | os.PathLike, cfg: K3Config, *, dtype="bfloat16", mesh=None,
-                        max_pixels: int = DEFAULT_MAX_PIXELS) -> VisionEncoder | None:
-    """The vision encoder of the safetensors checkpoint at `path`, or None when it has no vision tower."""
-    vcfg = vision_config(cfg)
-    reader = SafetensorsReader(path)
-    stored = [n for n in reader.names() if n.startswith(_PREFIXES)]
-    if vcfg is None or not stored:
+                        max_pixels: int = DEFAULT_MAX_PIXELS, source=None) -> VisionEncoder | None:
+    """The vision encoder of the checkpoint at `path` (safetensors or converted), or None when it
+    has no vision tower. `source`: the HfParams / OrbaxParams a caller already opened on `path`."""
+    if source is None:
+        source = OrbaxParams(path, cfg) if is_converted(path) else HfParams(path, cfg)
+    arrays = source.vision()
+    if not arrays:
         return None
     processor = ImageProcessorConfig.from_pretrained(path, max_pixels=max_pixels)
-    return encoder_from_tensors(vcfg, processor, set(stored), lambda rule: _read(reader, rule), dtype=dtype, mesh=mesh)
+    return encoder_from_arrays(vision_config(cfg), processor, arrays, dtype=dtype, mesh=mesh)
 
 
-def encoder_from_tensors(vcfg: VisionConfig, processor: ImageProcessorConfig, stored: set[str], read, *,
-                         dtype="bfloat16", mesh=None) -> VisionEncoder:
-    """A VisionEncoder from checkpoint tensors: `stored` names every vision tensor there is, `read(rule)`
-    returns one as stored (float32 is fine; it is cast to the parameter dtype)."""
-    rules = vision_rules(vcfg)
-    unknown = sorted(stored - {r.name for r in rules})
-    if unknown:
-        raise CheckpointError(f"{len(unknown)} vision tensors match no parameter of the vision config, "
-                              f"e.g. {unknown[:5]}")
-    missing = sorted(r.name for r in rules if r.name not in stored)
-    if missing:
-        raise CheckpointError(f"the checkpoint lacks vision tensors {missing[:5]}")
+def encoder_from_arrays(vcfg: VisionConfig, processor: ImageProcessorConfig, arrays: dict, *, dtype="bfloat16",
+                        mesh=None) -> VisionEncoder:
+    """A VisionEncoder from the tower's parameters by path (`convert.vision_layout.vision_arrays`),
+    cast to `dtype`."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: VisionTower(vcfg, dtype=jnp.dtype(dtype))))
     targets = dict(nnx.to_flat_state(state))
-    values = {}
-    for rule in rules:
-        target = targets[rule.path]
-        array = np.asarray(read(rule), np.float32)
-        if array.shape != rule.shape:
-            raise CheckpointError(f"{rule.name} has shape {array.shape}, expected {rule.shape}")
-        values[rule.path] = target.replace(jnp.asarray(_transform(rule, array), target.get_value().dtype))
-    left = sorted(".".join(map(str, p)) for p in targets if p not in values)
-    if left:
-        raise AssertionError(f"the vision layout fills no value for tower parameters {left[:5]}")
-    return VisionEncoder(vcfg, processor, graphdef, nnx.from_flat_state(list(values.items())), mesh)
+    if set(arrays) != set(targets):
+        raise AssertionError(f"the vision layout and the tower disagree on {sorted(set(arrays) ^ set(targets))[:5]}")
+    values = [(p, t.replace(jnp.asarray(arrays[p], t.get_value().dtype))) for p, t in targets.items()]
+    return VisionEncoder(vcfg, processor, graphdef, nnx.from_flat_state(values), mesh)
 
 
 def _place(params, mesh):
@@ -105,18 +86,3 @@ def _place(params, mesh):
         sharding = named_sharding(v.logical_axes, v.get_value().shape, mesh)
         flat.append((path, v.replace(jax.device_put(v.get_value(), sharding))))
     return nnx.from_flat_state(flat)
-
-
-def _read(reader: SafetensorsReader, rule) -> np.ndarray:
-    dtype, _ = reader.info(rule.name)
-    if dtype not in _FLOAT_DTYPES:
-        raise CheckpointError(f"{rule.name} has dtype {dtype}, expected a float type")
-    return reader.read(rule.name)
-
-
-def _transform(rule, array: np.ndarray) -> np.ndarray:
-    if rule.transform == "linear":  # [out, in] -> [in, out]
-        return array.T
-    if rule.transform == "patch":  # [D, 3, p, p] -> [3*p*p, D]
-        return array.reshape(array.shape[0], -1).T
-    return array

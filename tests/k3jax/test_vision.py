@@ -18,11 +18,11 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from convert import synth
-from convert.vision_layout import vision_rules
+from convert.vision_layout import vision_arrays, vision_rules
 from k3jax.config import ConfigError, K3Config
 from k3jax.presets import PRESETS
 from k3jax.vision.config import ImageProcessorConfig, VisionConfig, vision_config
-from k3jax.vision.encoder import VisionEncoder, encoder_from_tensors, load_vision_encoder
+from k3jax.vision.encoder import VisionEncoder, encoder_from_arrays, load_vision_encoder
 from k3jax.vision.preprocess import PreparedImage, decode_image, num_image_tokens, prepare
 from sharding.mesh import make_mesh
 from tests.k3jax import moonvit_reference
@@ -44,8 +44,8 @@ def k25():
     tensors = {k[2:]: z[k] for k in z.files if k.startswith("w/")}
     vcfg = VisionConfig.from_hf_dict(meta["vision_config"], k3=False, text_hidden_size=meta["text_hidden_size"])
     processor = ImageProcessorConfig.from_dict(meta["media_proc_cfg"])
-    encoder = encoder_from_tensors(vcfg, processor, set(tensors), lambda rule: tensors[rule.name], dtype="float32")
-    return z, meta, tensors, encoder
+    arrays = vision_arrays(vcfg, set(tensors), lambda rule: tensors[rule.name])
+    return z, meta, tensors, encoder_from_arrays(vcfg, processor, arrays, dtype="float32")
 
 
 def test_k25_config_picks_the_k25_variant(k25):
@@ -96,9 +96,8 @@ def k3_tiny():
     cfg = K3Config.from_hf_dict(PRESETS["k3-tiny"])
     tensors = {k: v.astype(np.float32) for k, v in synth.vision_tensors(cfg, np.random.default_rng(3)).items()}
     vcfg = vision_config(cfg)
-    encoder = encoder_from_tensors(vcfg, ImageProcessorConfig(), set(tensors), lambda rule: tensors[rule.name],
-                                   dtype="float32")
-    return vcfg, tensors, encoder
+    arrays = vision_arrays(vcfg, set(tensors), lambda rule: tensors[rule.name])
+    return vcfg, tensors, encoder_from_arrays(vcfg, ImageProcessorConfig(), arrays, dtype="float32")
 
 
 def test_k3_config_picks_the_k3_variant(k3_tiny):
