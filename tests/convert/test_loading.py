@@ -2,7 +2,6 @@
 
 import json
 
-import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
