@@ -23,6 +23,7 @@ from k3jax.vision.preprocess import PreparedImage, prepare
 from k3jax.vision.tower import VisionTower
 from sharding.axes import named_sharding
 
+
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _encode(graphdef, params, pixel_values, grid_hw):
     return nnx.merge(graphdef, params)(pixel_values, grid_hw)
