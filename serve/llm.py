@@ -6,6 +6,8 @@ directory (`$K3JAX_CACHE` or `~/.cache/k3jax`) and loaded like any other.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 
@@ -21,9 +23,11 @@ _DEFAULT_SEED = 0
 
 def default_model_dir() -> str:
     """The embedded model's checkpoint directory, written on first use (atomically: a half-written
-    directory is never mistaken for a finished one)."""
+    directory is never mistaken for a finished one). The name carries a digest of the preset, so a
+    cache written by a version whose k3-tiny differs (say, before it had a vision tower) is not read."""
     root = os.environ.get("K3JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3jax")
-    path = os.path.join(root, f"{DEFAULT_MODEL}-seed{_DEFAULT_SEED}")
+    preset = hashlib.sha256(json.dumps(PRESETS[DEFAULT_MODEL], sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(root, f"{DEFAULT_MODEL}-seed{_DEFAULT_SEED}-{preset}")
     if not os.path.exists(os.path.join(path, "config.json")):
         os.makedirs(root, exist_ok=True)
         partial = tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=root)
