@@ -1,4 +1,4 @@
-"""The checkpoint layout of the vision tower and projector (../shared/spec/k3_serving_spec.md 6.3).
+"""The checkpoint layout of the vision tower and projector.
 
 Names as published by K2.5 and K3 (`vision_tower.*`, `mm_projector.*`), with `convert.layout.Rule`
 transforms ("linear" [out, in] -> [in, out], "vector" as stored) plus "patch": the patch

@@ -1,7 +1,7 @@
 """Vision tower and image-processor configurations, read from a checkpoint's config (leaf module).
 
 Two tower variants exist, chosen by keys of `vision_config` as vLLM 0.33's `kimi_k25_vit.py` chooses
-them (../shared/spec/k3_serving_spec.md section 6.2):
+them:
 - K2.5: LayerNorm (eps 1e-5) with biases everywhere, bicubic position-table interpolation, the
   "patchmerger" projector (LayerNorm before the merge, biased linears);
 - K3: RMSNorm without biases, bilinear interpolation, qkv width 1536 != hidden 1024, the

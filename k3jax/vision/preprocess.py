@@ -1,4 +1,4 @@
-"""Image bytes -> normalised 14-px patches and the patch grid (../shared/spec/k3_serving_spec.md 6.1).
+"""Image bytes -> normalised 14-px patches and the patch grid.
 
 Steps, as vLLM's Kimi processor and SGLang's K3 processor do them: decode with Pillow (PNG, JPEG, WebP,
 GIF's first frame), resize under the patch budget with Pillow's bicubic, composite any alpha onto the

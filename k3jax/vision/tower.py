@@ -1,4 +1,4 @@
-"""MoonViT: the vision tower and its projector to the text width (../shared/spec/k3_serving_spec.md 6.2).
+"""MoonViT: the vision tower and its projector to the text width.
 
 patches [N, 3*14*14] -> linear patch embedding + the learnable position table resized to the grid
 -> blocks (pre-norm; fused qkv with 2-D RoPE; GELU-tanh MLP) -> final norm -> 2x2 merge -> projector

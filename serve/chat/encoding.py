@@ -1,4 +1,4 @@
-"""K3 chat prompts in XTML (spec section 4.2).
+"""K3 chat prompts in XTML (ARCHITECTURE.md, "Tokens").
 
 Every element is `<|open|>NAME attr="v"<|sep|>` BODY `<|close|>NAME<|sep|>`, where `<|open|>`,
 `<|close|>` and `<|sep|>` are special tokens and the name and attributes ordinary text. A turn is
@@ -14,7 +14,7 @@ thinking mode, `response` in instant mode. Tool declarations, the thinking effor
 tool choice are internal system messages (`role="system" type="..."`).
 
 The per-role framing and the texts of the internal messages are those of the checkpoint's encoder
-(`encoding_k3.py`, which the spec could not read; taken from a vLLM copy derived from it). A prompt
+(`encoding_k3.py`, not readable here; taken from a vLLM copy derived from it). A prompt
 is rendered as pieces, each a special token or a run of ordinary text, and each text piece is
 tokenized on its own, as that encoder does: user text is never scanned for special tokens, so
 `<|open|>` typed by a user stays text.
@@ -30,7 +30,7 @@ from typing import Any
 from serve.chat.tokenizer import END_OF_MESSAGE, Tokenizer
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # one per image; the server expands it (spec 4.2)
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # one per image; the server expands it
 THINKING_EFFORTS = ("low", "high", "max")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -102,7 +102,7 @@ def render_messages(messages: list[dict], *, tools: list[dict] | None = None, th
         if role == "tool":
             attrs = [("role", "tool"), ("tool", message["tool"]), ("index", message["index"])]
         else:
-            attrs = [("role", "user" if role == "user" else "system")]  # developer is system (spec 4.2)
+            attrs = [("role", "user" if role == "user" else "system")]  # developer is system
             if message.get("name"):
                 attrs.append(("name", message["name"]))
         body = _content_pieces(message.get("content"), f"{field}.content")
@@ -118,7 +118,7 @@ def render_messages(messages: list[dict], *, tools: list[dict] | None = None, th
 def _with_tool_results_matched(messages: list[dict]) -> list[tuple[int, dict]]:
     """(position in `messages`, message) with roles checked, and each run of tool results put in
     the order of the calls they answer, each given the call's `tool` name and 1-based `index`
-    (spec 4.2). A result names its call by `tool_call_id`: the call's id, or the alias
+    A result names its call by `tool_call_id`: the call's id, or the alias
     `"{name}:{zero-based position}"`; without one, the n-th result of a run answers the n-th call."""
     for position, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
@@ -194,7 +194,7 @@ def _call_function(call: Any, field: str) -> dict:
 
 
 def _arguments(arguments: Any, field: str) -> list[Piece]:
-    """One `argument` element per key: strings raw, every other value as JSON (spec 5.1). Arguments
+    """One `argument` element per key: strings raw, every other value as JSON. Arguments
     that are not JSON at all (a model's own broken call, sent back) go verbatim in a `json` element."""
     if isinstance(arguments, str):
         if not arguments.strip():

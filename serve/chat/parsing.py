@@ -1,4 +1,4 @@
-"""Reasoning, content and tool calls out of K3's generated text (spec section 5, facts F).
+"""Reasoning, content and tool calls out of K3's generated text.
 
 The text is what the model generated after the prompt's channel opener, detokenized with special
 tokens kept and no spaces added around them. Its shape is
@@ -11,7 +11,7 @@ Content is the text after the reasoning and before the tools channel, without th
 wrappers; text after the message close is not part of the message. One incremental parser does
 both jobs: `OutputParser` streams, and `parse_output` feeds it the whole text at once, so the two
 agree for any split of the stream (exactly so when the stream holds reasoning back, see E8 below).
-Where vLLM 0.33 and SGLang differ, SGLang's reading is taken (design section 6):
+Where vLLM 0.33 and SGLang differ, SGLang's reading is taken:
 
 * thinking mode, no think close, but a response or tools opener: the reasoning ends there, and the
   calls count (E9);
@@ -90,7 +90,7 @@ def parse_output(text: str, *, thinking: bool = True, tools: list | None = None)
 
 class _Channel:
     """The text of one channel as it streams. Leading whitespace waits for a visible character, so
-    a channel that never gets one stays None (spec 5.2: whitespace-only content is null)."""
+    a channel that never gets one stays None (whitespace-only content is null, as the hosted API returns it)."""
 
     def __init__(self):
         self._leading_whitespace = ""

@@ -31,7 +31,7 @@ KIMI_PATTERN = "|".join([  # noqa: FLY002 -- one alternative a line, as the chec
 ])
 
 # K3 closes its turn with `<|close|>message<|sep|><|end_of_msg|>`: the last token always ends
-# generation, besides the checkpoint's own EOS ids (spec section 4.1).
+# generation, besides the checkpoint's own EOS ids (ARCHITECTURE.md, "Tokens").
 END_OF_MESSAGE = "<|end_of_msg|>"
 
 

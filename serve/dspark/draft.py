@@ -1,4 +1,4 @@
-"""The K3 DSpark draft model (../shared/spec/k3_serving_spec.md sections 1.2-1.5) and its two pure,
+"""The K3 DSpark draft model (ARCHITECTURE.md, "DSpark draft") and its two pure,
 jittable steps: `inject_context` (the target's tapped hidden states -> draft KV rows in the draft
 pages) and `propose` (one forward over the block [bonus, mask x (K-1)], the target's LM head, then
 the Markov head left to right).

@@ -1,4 +1,4 @@
-"""The DSpark Markov head at sampling time (spec section 1.5 step 4): left to right over the block,
+"""The DSpark Markov head at sampling time (ARCHITECTURE.md, "DSpark draft"): left to right over the block,
 each row's logits biased by the token drawn for the row before (the bonus for row 0):
 
     logits_j = base_j + logit_scale * markov_w2 @ markov_w1[prev];  draft_j ~ logits_j;  prev = draft_j

@@ -106,7 +106,7 @@ def test_k3_config_picks_the_k3_variant(k3_tiny):
         ("rmsnorm", None, "bilinear", "patchmergerv2")
     assert not (cfg.attn_bias or cfg.linear_bias or cfg.patch_embed_bias)
     assert (cfg.qkv_size, cfg.hidden_size, cfg.head_dim, cfg.text_hidden_size) == (48, 32, 24, 64)
-    full = VisionConfig.from_hf_dict({}, k3=True, text_hidden_size=7168)  # K3's defaults (spec 6.2)
+    full = VisionConfig.from_hf_dict({}, k3=True, text_hidden_size=7168)  # K3's defaults
     assert (full.num_layers, full.hidden_size, full.num_heads, full.qkv_size, full.intermediate_size) == \
         (27, 1024, 12, 1536, 4096)
 

@@ -1,5 +1,5 @@
-"""XTML prompt rendering (spec section 4.2). Expected prompts are written out by hand; assistant
-history is checked against the spec's own generated examples (5.3): the model's output after the
+"""XTML prompt rendering. Expected prompts are written out by hand; assistant
+history is checked against K3's own documented examples: the model's output after the
 prompt opener is, by construction, the rest of its assistant message."""
 
 import pytest

@@ -135,7 +135,7 @@ def test_parse_output(name, text, thinking, tools, reasoning, content, calls):
 def test_calls_need_tools_in_the_request():
     text = EXAMPLES[2][1]
     assert parse_output(text, tools=[]).tool_calls == []
-    # Any name counts once the request has tools (design section 6).
+    # Any name counts once the request has tools (SGLang's reading).
     assert parse_output(text, tools=[{"type": "function", "function": {"name": "other"}}]).tool_calls
 
 

@@ -66,7 +66,7 @@ def test_round_trip(draft_dir):
     assert cfg == DSparkConfig.from_pretrained(draft_dir)
     tensors = checkpoint_tensors(draft_dir)
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    # shapes as the spec lists them
+    # shapes as the published draft has them
     assert tensors["context_proj.weight"].shape == (h, cfg.target_hidden_size * cfg.num_target_layers)
     assert tensors["layers.1.self_attn.q_b_proj.weight"].shape == (heads * cfg.qk_head_dim, cfg.q_lora_rank)
     assert tensors["layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
