@@ -166,7 +166,7 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
 
-class TestHookChatRequest(ChatCompletionRequest):
+class ChatRequestWithTestHook(ChatCompletionRequest):
     """TESTING ONLY, the chat schema of a server started with --enable-test-hooks (elsewhere the
     field is unknown, hence ignored): the engine's output tokens are replaced by this text's tokens,
     to test the output parsers through the server."""

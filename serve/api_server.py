@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from serve import api_checks
 from serve.api_checks import FieldError
 from serve.api_outputs import ChatChoice, CompletionChoice, Totals
-from serve.api_protocol import ChatCompletionRequest, CompletionRequest, TestHookChatRequest
+from serve.api_protocol import ChatCompletionRequest, CompletionRequest, ChatRequestWithTestHook
 from serve.async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed, RequestGroup
 from serve.metrics import CONTENT_TYPE
 
@@ -124,7 +124,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return await _unless_disconnected(request, response.whole(group, outputs, choices))
 
     # The test hook's field exists only in the schema of a server started with its flag.
-    chat_completions.__annotations__["body"] = TestHookChatRequest if config.enable_test_hooks \
+    chat_completions.__annotations__["body"] = ChatRequestWithTestHook if config.enable_test_hooks \
         else ChatCompletionRequest
     app.post("/v1/chat/completions")(chat_completions)
 
