@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from serve import api_checks
 from serve.api_checks import FieldError
 from serve.api_outputs import ChatChoice, CompletionChoice, Totals
-from serve.api_protocol import ChatCompletionRequest, CompletionRequest, ChatRequestWithTestHook
+from serve.api_protocol import ChatCompletionRequest, ChatRequestWithTestHook, CompletionRequest
 from serve.async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed, RequestGroup
 from serve.metrics import CONTENT_TYPE
 
