@@ -10,8 +10,10 @@ import numpy as np
 
 import k3jax
 from convert import layout, synth
+from convert.vision_layout import vision_rules
 from k3jax.config import K3Config
 from k3jax.model import K3Model
+from k3jax.vision.config import vision_config
 from tests.agreement import Referee
 from tests.k3jax.tiny_configs import k3_tiny_dict
 from tests.processes import local_coordinator
@@ -25,6 +27,7 @@ assert initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=60)
 import jax
 from k3jax.config import K3Config
 from k3jax.model import K3Model
+from k3jax.vision.config import vision_config
 assert len(jax.devices()) == 16 and len(jax.local_devices()) == 8
 import k3jax
 from convert.reader import SafetensorsReader
@@ -66,10 +69,12 @@ def test_two_processes_match_one(tmp_path):
     for row, logits in zip(ids, np.load(out)):
         random.check_logits(row, logits, what="two processes, random weights")
 
-    # Each process read every tensor except the other process's experts (8 of the 16, one per device).
+    # Each process read every tensor except the other process's experts (8 of the 16, one per device),
+    # and the vision tower's (replicated).
     expert_bytes = sum(layout.tensor_bytes(r) for r in layout.all_tensors(cfg).values() if r.transform == "experts")
+    tower_bytes = sum(layout.tensor_bytes(r) for r in vision_rules(vision_config(cfg)))
     for i in range(2):
-        assert int(np.load(f"{out}.read{i}.npy")) == layout.checkpoint_bytes(cfg) - expert_bytes // 2
+        assert int(np.load(f"{out}.read{i}.npy")) == layout.checkpoint_bytes(cfg) - expert_bytes // 2 + tower_bytes
     loaded = Referee(k3jax.from_pretrained(checkpoint, dtype="float32"))
     for row, logits in zip(ids, np.load(f"{out}.loaded.npy")):
         loaded.check_logits(row, logits, what="two processes, loaded checkpoint")
