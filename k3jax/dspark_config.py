@@ -23,6 +23,7 @@ from typing import Any
 
 from k3jax.config import ConfigError, K3Config
 
+# What "the hidden state after layer i" is under AttnRes (the decoder taps either, k3jax/decoder.py)
 TAP_KINDS = ("residual_sum", "next_mixture")
 HIDDEN_ACTS = ("silu", "situ")
 # Keys of target features the draft must not have (vLLM's K3DSparkConfig rejects them).

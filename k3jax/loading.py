@@ -25,7 +25,7 @@ from k3jax.model import K3Model, resolve_dtype
 from k3jax.placement import check_mesh
 from k3jax.vision.encoder import load_vision_encoder
 from sharding.axes import named_sharding
-from sharding.mesh import make_mesh
+from sharding.mesh import as_mesh
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> K3Model:
@@ -39,7 +39,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> 
     from storage (Orbax).
     """
     cfg = K3Config.from_pretrained(path)
-    mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+    mesh = as_mesh(mesh)
     source = OrbaxParams(path, cfg) if is_converted(path) else HfParams(path, cfg)
     abstract = nnx.eval_shape(lambda: K3Transformer(cfg, dtype=resolve_dtype(dtype)))
     graphdef, state = nnx.split(abstract)

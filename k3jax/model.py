@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from convert.synth import fixed_router_bias
 from k3jax.config import K3Config
 from k3jax.decoder import DecodeState, K3Transformer, init_cache
 from k3jax.placement import cache_shardings, check_mesh, place_params, put
-from sharding.mesh import make_mesh
+from sharding.mesh import as_mesh, data_size, rows_sharding
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -85,7 +85,7 @@ class K3Model:
     def random(cls, config: K3Config, *, dtype="float32", seed: int = 0, mesh=None) -> "K3Model":
         """Randomly initialised weights (tests, notebooks, benchmarks); `mesh` as in from_pretrained."""
         module = K3Transformer(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed))
-        return cls.from_module(module, make_mesh(mesh) if isinstance(mesh, str) else mesh)
+        return cls.from_module(module, as_mesh(mesh))
 
     def with_fixed_routing(self) -> "K3Model":
         """This model with the router correction biases of a synthetic checkpoint written with
@@ -121,8 +121,8 @@ class K3Model:
     def _run(self, tokens, lengths, cache):
         if self.mesh is None:
             return _forward(self.structure, self.params, tokens, lengths, cache)
-        batch = NamedSharding(self.mesh, PartitionSpec("data"))
-        if tokens.shape[0] % self.mesh.shape["data"]:
+        batch = rows_sharding(self.mesh)
+        if tokens.shape[0] % data_size(self.mesh):
             raise ValueError(f"a batch of {tokens.shape[0]} sequences does not divide over data={self.mesh.shape['data']}")
         with jax.set_mesh(self.mesh):
             return _forward(self.structure, self.params, put(tokens, batch), put(lengths, batch), cache)

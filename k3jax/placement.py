@@ -13,6 +13,7 @@ from k3jax.decoder import DecodeState
 from k3jax.layers.kda import KDACache
 from k3jax.layers.mla import MLACache, MLAPages
 from sharding.axes import named_sharding
+from sharding.mesh import DATA, MODEL
 
 CACHE_AXES = {  # per-sequence caches (`DecodeState`): sequences split over `data` like the batch
     KDACache: KDACache(conv=("batch", "conv_tap", "qkv", "cache_channels"),
@@ -28,8 +29,8 @@ POOL_AXES = {  # the serving engine's pools: any row may use any slot or page, s
 
 def check_mesh(cfg: K3Config, mesh: Mesh) -> None:
     """Whole heads and whole experts per device, or an error saying what does not divide."""
-    model, devices = mesh.shape["model"], mesh.shape["model"] * mesh.shape["data"]
-    counts = [(cfg.kda_num_heads, "KDA heads", "model", model), (cfg.num_attention_heads, "MLA heads", "model", model)]
+    model, devices = mesh.shape[MODEL], mesh.shape[MODEL] * mesh.shape[DATA]
+    counts = [(cfg.kda_num_heads, "KDA heads", MODEL, model), (cfg.num_attention_heads, "MLA heads", MODEL, model)]
     if cfg.num_experts:
         counts.append((cfg.num_experts, "routed experts", "data x model", devices))
     for count, what, axis, ways in counts:

@@ -22,7 +22,7 @@ from k3jax.decoder import K3Transformer, init_cache
 from k3jax.model import resolve_dtype
 from k3jax.placement import CACHE_AXES, check_mesh
 from sharding.axes import partition_spec
-from sharding.mesh import parse_mesh
+from sharding.mesh import AXES, DATA, MODEL, parse_mesh
 
 GIB = 2**30
 
@@ -38,7 +38,7 @@ def _per_device_bytes(shape, dtype, axes, mesh) -> float:
 
 def plan(cfg: K3Config, mesh_spec: str, *, dtype: str = "bfloat16", device_bytes: float = 141e9) -> dict:
     sizes = parse_mesh(mesh_spec)
-    mesh = AbstractMesh((sizes["data"], sizes["model"]), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    mesh = AbstractMesh((sizes[DATA], sizes[MODEL]), AXES, axis_types=(AxisType.Auto,) * 2)
     check_mesh(cfg, mesh)
     abstract = nnx.eval_shape(lambda: K3Transformer(cfg, dtype=resolve_dtype(dtype)))
     weights = sum(_per_device_bytes(v.get_value().shape, v.get_value().dtype, v.logical_axes, mesh)
@@ -46,7 +46,7 @@ def plan(cfg: K3Config, mesh_spec: str, *, dtype: str = "bfloat16", device_bytes
 
     def cache_bytes(tokens: int) -> float:
         """Per-device bytes of one sequence's caches (one sequence per data shard)."""
-        cache = jax.eval_shape(lambda: init_cache(cfg, sizes["data"], tokens, resolve_dtype(dtype)))
+        cache = jax.eval_shape(lambda: init_cache(cfg, sizes[DATA], tokens, resolve_dtype(dtype)))
         total = 0.0
         for c in cache.layers:
             total += sum(_per_device_bytes(x.shape, x.dtype, a, mesh) for x, a in zip(c, CACHE_AXES[type(c)]))
@@ -58,8 +58,8 @@ def plan(cfg: K3Config, mesh_spec: str, *, dtype: str = "bfloat16", device_bytes
     fits = {}
     for name, tokens in (("8K", 8192), ("128K", 131072), ("1M", 1048576)):
         per_sequence = kda_state + mla_per_1k * tokens / 1024
-        fits[name] = max(0, int(free // per_sequence)) * sizes["data"]
-    return {"mesh": mesh_spec, "devices": sizes["data"] * sizes["model"], "weights_GiB": weights / GIB,
+        fits[name] = max(0, int(free // per_sequence)) * sizes[DATA]
+    return {"mesh": mesh_spec, "devices": sizes[DATA] * sizes[MODEL], "weights_GiB": weights / GIB,
             "mla_cache_MiB_per_1k_tokens": mla_per_1k / 2**20, "kda_state_MiB_per_sequence": kda_state / 2**20,
             "free_GiB": free / GIB, **{f"concurrent_{k}": v for k, v in fits.items()}}
 

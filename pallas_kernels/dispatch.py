@@ -20,10 +20,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from sharding.mesh import DATA, MODEL
+
 IMPLS = ("auto", "xla", "reference", "pallas")
 ENV = "K3JAX_KERNELS"
 # A dimension's role, and the mesh axis it splits over when the mesh divides it.
-ROLE_AXES = {"heads": "model", "rows": "data"}
+ROLE_AXES = {"heads": MODEL, "rows": DATA}
 
 
 def resolve(impl: str, pallas_fits: bool, shapes: str) -> str:

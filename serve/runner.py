@@ -20,7 +20,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.decoder import PagedState, TapSpec, init_pools
 from k3jax.layers.kda import KDACache, commit_record
@@ -28,6 +27,7 @@ from k3jax.model import K3Model
 from k3jax.placement import pool_shardings, put
 from serve import multihost
 from serve.cache import CacheLayout
+from sharding.mesh import data_size, rows_sharding
 
 
 def buckets(largest: int, smallest: int = 1) -> tuple[int, ...]:
@@ -91,7 +91,7 @@ class Runner:
         # What `compile` lowers against: the pools' shapes and shardings, never their (donated) buffers.
         self._pool_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.pools)
-        self.num_data = 1 if model.mesh is None else model.mesh.shape["data"]  # row counts must be its multiples
+        self.num_data = data_size(model.mesh)
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int):
         """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens.
@@ -199,7 +199,7 @@ class Runner:
         if model.mesh is None:
             arrays = map(jnp.asarray, arrays)
         else:  # rows over data
-            arrays = (put(a, NamedSharding(model.mesh, PartitionSpec("data"))) for a in arrays)
+            arrays = (put(a, rows_sharding(model.mesh)) for a in arrays)
         args = (model.structure, model.params, self.pools if pools is None else pools, *arrays, self.taps)
         with self._mesh():
             return fn.lower(*args).compile() if compile_only else fn(*args)

@@ -12,31 +12,33 @@ import math
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sharding.mesh import DATA, MODEL
+
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     # parameters
-    "vocab": ("model",),
+    "vocab": (MODEL,),
     "embed": (),
-    "heads": ("model",),  # MLA head-major dims (q_b, kv_b, g_proj, o_proj)
-    "kda_heads": ("model",),  # KDA head-major projection width
-    "kda_head_count": ("model",),  # one entry per KDA head (b_proj, A_log)
+    "heads": (MODEL,),  # MLA head-major dims (q_b, kv_b, g_proj, o_proj)
+    "kda_heads": (MODEL,),  # KDA head-major projection width
+    "kda_head_count": (MODEL,),  # one entry per KDA head (b_proj, A_log)
     "kda_rank": (),
     "conv_tap": (),
     "q_lora": (),
     "kv_lora": (),
     "kv_latent": (),
-    "mlp": ("model",),  # dense MLP and shared experts
-    "latent": ("model",),  # LatentMoE down/up projections: 92 x 2 x 7168 x 3584 would be 9.4 GB replicated
-    "experts": ("data", "model"),  # routed experts: expert parallel over every device
+    "mlp": (MODEL,),  # dense MLP and shared experts
+    "latent": (MODEL,),  # LatentMoE down/up projections: 92 x 2 x 7168 x 3584 would be 9.4 GB replicated
+    "experts": (DATA, MODEL),  # routed experts: expert parallel over every device
     "experts_replicated": (),  # the router scores every expert on every device
     "expert_mlp": (),
     "expert_embed": (),
     "norm": (),
     "vision": (),  # the vision tower runs data-parallel: its 12 heads divide neither 8 nor 16 ways
     # caches and activations
-    "batch": ("data",),
-    "cache_heads": ("model",),  # KDA recurrent state by head
+    "batch": (DATA,),
+    "cache_heads": (MODEL,),  # KDA recurrent state by head
     "qkv": (),  # KDA conv window: which of q, k, v
-    "cache_channels": ("model",),  # KDA conv window: head-major channels, split like the heads
+    "cache_channels": (MODEL,),  # KDA conv window: head-major channels, split like the heads
     "head_dim": (),
     "sequence": (),
     "cache_width": (),  # MLA latent + shared key, shared by all heads

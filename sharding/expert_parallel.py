@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-EXPERT_AXES = ("data", "model")
+from sharding.mesh import DATA, MODEL
+
+EXPERT_AXES = (DATA, MODEL)
 
 
 def context_mesh():
@@ -33,16 +35,16 @@ def expert_parallel_moe(grouped_ffn: Callable, x, topk_ids, topk_weights, expert
     of pytrees whose leaves carry the expert axis first.
     """
     num_experts = jax.tree.leaves(expert_weights)[0].shape[0]
-    devices = mesh.shape["data"] * mesh.shape["model"]
+    devices = mesh.shape[DATA] * mesh.shape[MODEL]
     if num_experts % devices:
         raise ValueError(f"{num_experts} experts do not divide over the {devices} devices of the mesh")
     local_experts = num_experts // devices
 
     def body(x, ids, weights, *local_weights):
-        x_all = jax.lax.all_gather(x, "data", axis=0, tiled=True)
-        ids_all = jax.lax.all_gather(ids, "data", axis=0, tiled=True)
-        weights_all = jax.lax.all_gather(weights, "data", axis=0, tiled=True)
-        device = jax.lax.axis_index("data") * mesh.shape["model"] + jax.lax.axis_index("model")
+        x_all = jax.lax.all_gather(x, DATA, axis=0, tiled=True)
+        ids_all = jax.lax.all_gather(ids, DATA, axis=0, tiled=True)
+        weights_all = jax.lax.all_gather(weights, DATA, axis=0, tiled=True)
+        device = jax.lax.axis_index(DATA) * mesh.shape[MODEL] + jax.lax.axis_index(MODEL)
         local = ids_all - device * local_experts
         mine = (local >= 0) & (local < local_experts)
         t, k = ids_all.shape
@@ -52,10 +54,10 @@ def expert_parallel_moe(grouped_ffn: Callable, x, topk_ids, topk_weights, expert
         y_sorted = grouped_ffn(x_all[order // k], sizes, *local_weights).astype(jnp.float32)
         y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
         partial = jnp.einsum("tk,tkd->td", jnp.where(mine, weights_all, 0.0).astype(jnp.float32), y)
-        mine_tokens = jax.lax.psum_scatter(partial, "data", scatter_dimension=0, tiled=True)
-        return jax.lax.psum(mine_tokens, "model")
+        mine_tokens = jax.lax.psum_scatter(partial, DATA, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(mine_tokens, MODEL)
 
     weight_specs = jax.tree.map(lambda _: P(EXPERT_AXES), expert_weights)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), *weight_specs),
-                       out_specs=P("data"), check_vma=False)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(DATA), P(DATA), P(DATA), *weight_specs),
+                       out_specs=P(DATA), check_vma=False)
     return fn(x, topk_ids, topk_weights, *expert_weights)

@@ -39,7 +39,7 @@ UNITS = {
 _BELOW_SERVE = {"model", "layers", "config", "sharding", "convert"}
 UNITS_MAY_IMPORT = {
     "mxfp4_format": set(),
-    "kernels": {"mxfp4_format"},
+    "kernels": {"mxfp4_format", "sharding"},  # the mesh axis names (sharding.mesh), for shard_map
     "sharding": set(),
     "config": {"mxfp4_format"},
     "convert": {"config", "mxfp4_format"},

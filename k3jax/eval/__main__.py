@@ -16,7 +16,7 @@ import k3jax
 from k3jax.eval.job import TASKS, EvalOptions, evaluate
 from serve.llm import default_model_dir, load_tokenizer
 from sharding import distributed
-from sharding.mesh import make_mesh, parse_mesh
+from sharding.mesh import DATA, make_mesh, parse_mesh
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def load_model(path: str, mesh_spec: str, dtype: str, task: str):
     if task != "generate":
         return k3jax.from_pretrained(path, dtype=dtype, mesh=make_mesh(mesh_spec))
     sizes, processes = parse_mesh(mesh_spec), jax.process_count()
-    if sizes["data"] % processes:
+    if sizes[DATA] % processes:
         raise SystemExit(f"k3jax.eval: generate runs one engine per process; --mesh {mesh_spec} has data="
                          f"{sizes['data']}, not a multiple of the {processes} process(es)")
     local = f"{sizes['model']}x{sizes['data'] // processes}"

@@ -1,7 +1,7 @@
 """Scoring rows on the mesh: one jitted full forward per batch, reduced on the devices to a summed
 log-probability and a greedy flag per row, so only [batch] numbers come back to the host.
 
-The batch is a global array split over `data` (`NamedSharding(mesh, P("data"))`): on several hosts
+The batch is a global array split over `data` (`sharding.mesh.rows_sharding`): on several hosts
 each process supplies its own rows (`make_array_from_process_local_data`) and reads back only the
 results of those rows. Parameters keep the shardings `from_pretrained` gave them.
 """
@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from k3jax.model import K3Model
+from sharding.mesh import DATA, data_size, rows_sharding
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -43,11 +44,11 @@ class Scorer:
         self.mesh = model.mesh
         self.shapes: set[tuple[int, int]] = set()  # global batch shapes run (one compile each)
         if self.mesh is not None:
-            self.sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+            self.sharding = rows_sharding(self.mesh)
 
     @property
     def data_size(self) -> int:
-        return 1 if self.mesh is None else self.mesh.shape["data"]
+        return data_size(self.mesh)
 
     def __call__(self, tokens: np.ndarray, lengths: np.ndarray, starts: np.ndarray):
         model = self.model
@@ -61,5 +62,5 @@ class Scorer:
             total, greedy = _score(model.structure, model.params, *arrays)
         if jax.process_count() > 1:
             total, greedy = multihost_utils.global_array_to_host_local_array((total, greedy), self.mesh,
-                                                                             PartitionSpec("data"))
+                                                                             PartitionSpec(DATA))
         return np.asarray(total), np.asarray(greedy)

@@ -22,7 +22,7 @@ from k3jax.dspark_config import DSparkConfig
 from k3jax.model import resolve_dtype
 from k3jax.placement import place_params
 from serve.dspark.draft import DSparkDraft
-from sharding.mesh import make_mesh
+from sharding.mesh import as_mesh
 
 PREFIX = "model."
 
@@ -59,7 +59,7 @@ def load_draft(path: str | os.PathLike, target_cfg: K3Config, *, dtype="bfloat16
         raise CheckpointError(f"no draft tensor fills parameters {unfilled[:5]}")
     params = nnx.from_flat_state([(p, values[p]) for p in targets])
     if mesh is not None:
-        params = place_params(params, make_mesh(mesh) if isinstance(mesh, str) else mesh)
+        params = place_params(params, as_mesh(mesh))
     else:
         params = _to_device(params)
     return cfg, nnx.merge(graphdef, params)
