@@ -24,7 +24,7 @@ from serve.async_engine import AsyncEngine
 from serve.dspark import speculation
 from serve.engine import KV_CACHE_DTYPES, Engine, EngineOptions
 from serve import multihost
-from serve.llm import DEFAULT_MODEL, default_model_dir, load_tokenizer
+from serve.llm import DEFAULT_MODEL, cache_root, default_model_dir, load_tokenizer
 from sharding import distributed
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=sorted(KV_CACHE_DTYPES))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="each request's tokens and logprobs independent of the batch it runs in "
+                             "(every step at the largest bucket; no prefix caching or speculation)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed of requests without one")
     parser.add_argument("--speculative-config", type=_speculative_config,
                         help='JSON, e.g. \'{"method": "dspark", "model": DRAFT_DIR, "num_speculative_tokens": 7}\'')
@@ -91,8 +94,7 @@ def enable_compilation_cache() -> None:
     """Keeps compiled steps on disk (beside the embedded model, unless JAX_COMPILATION_CACHE_DIR
     says where): a restart skips most of the warm-up, which on CPU is minutes."""
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        root = os.environ.get("K3JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3jax")
-        jax.config.update("jax_compilation_cache_dir", os.path.join(root, "xla"))
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "xla"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                             num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
                             enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                            speculative_config=args.speculative_config)
+                            speculative_config=args.speculative_config, batch_invariant=args.batch_invariant)
     log = logging.getLogger("k3jax.serve")
     log.info("loading %s", path)
     model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,

@@ -21,11 +21,16 @@ DEFAULT_MODEL = "k3-tiny"
 _DEFAULT_SEED = 0
 
 
+def cache_root() -> str:
+    """Where k3jax keeps what it writes for later runs (the embedded model, compiled steps)."""
+    return os.environ.get("K3JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3jax")
+
+
 def default_model_dir() -> str:
     """The embedded model's checkpoint directory, written on first use (atomically: a half-written
     directory is never mistaken for a finished one). The name carries a digest of the preset, so a
     cache written by a version whose k3-tiny differs (say, before it had a vision tower) is not read."""
-    root = os.environ.get("K3JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3jax")
+    root = cache_root()
     preset = hashlib.sha256(json.dumps(PRESETS[DEFAULT_MODEL], sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(root, f"{DEFAULT_MODEL}-seed{_DEFAULT_SEED}-{preset}")
     if not os.path.exists(os.path.join(path, "config.json")):
