@@ -25,6 +25,7 @@ BENCHMARKS = (
     "compare_transformers",  # needs a Python with torch + transformers (benchmarks/README.md)
     "tiny_decode",
     "engine_throughput",
+    "batch_invariant",
     "kda_chunked_vs_recurrent",
     "decode_compile_time",
     "dspark_speedup",

@@ -59,6 +59,9 @@ class EngineOptions:
     # {"method": "dspark", "model": DIR, "num_speculative_tokens": K, "draft_sample_method": "greedy" |
     # "probabilistic"} (vLLM's keys), or that as a JSON string
     speculative_config: dict | str | None = None
+    # Every request's tokens and logprobs independent of what else runs (see Engine): one row bucket
+    # and one token bucket, prefill chunks that other requests never shorten.
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -67,6 +70,10 @@ class EngineOptions:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}")
+        if self.batch_invariant and (self.enable_prefix_caching or self.speculative_config is not None):
+            # a prefix hit resumes from another request's chunking, a verify window computes its tokens
+            # otherwise than decode steps: both would make a request's numbers depend on others
+            raise ValueError("batch_invariant: not with prefix caching or speculative decoding")
 
 
 @dataclasses.dataclass
@@ -105,7 +112,8 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_num_seqs=options.max_num_seqs,
                                    max_num_batched_tokens=options.max_num_batched_tokens,
                                    max_prefill_chunk=min(options.max_prefill_chunk, options.max_num_batched_tokens),
-                                   max_prefill_rows=options.max_prefill_rows)
+                                   max_prefill_rows=options.max_prefill_rows,
+                                   whole_chunks=options.batch_invariant)
         self.runner = Runner(model, self.layout, max_model_len=options.max_model_len, kv_cache_dtype=kv_dtype,
                              taps=speculator.taps if speculator else None)
         if speculator is not None:
@@ -113,6 +121,9 @@ class Engine:
         self.decode_rows = buckets(options.max_num_seqs, smallest=self.runner.num_data)
         self.prefill_rows = buckets(options.max_prefill_rows, smallest=self.runner.num_data)
         self.prefill_tokens = buckets(self.scheduler.max_prefill_chunk, smallest=min(16, self.scheduler.max_prefill_chunk))
+        if options.batch_invariant:  # the largest bucket only: every step runs the same programs
+            self.decode_rows, self.prefill_rows, self.prefill_tokens = \
+                self.decode_rows[-1:], self.prefill_rows[-1:], self.prefill_tokens[-1:]
         self.eos_ids = {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
         if tokenizer is not None:
             self.eos_ids |= set(tokenizer.eos_token_ids)

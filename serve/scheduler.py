@@ -70,7 +70,10 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, allocator: CacheAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int, max_prefill_rows: int):
+                 max_prefill_chunk: int, max_prefill_rows: int, whole_chunks: bool = False):
+        """whole_chunks: a prefill chunk is always min(pending, max_prefill_chunk) tokens, waiting for a
+        later step rather than shortened by what others leave of the budget or the pages, so that how
+        a prompt is chunked (which changes its numbers) depends on that prompt alone."""
         self.allocator = allocator
         self.prefix_cache: PrefixCache | None = allocator.prefix_cache
         self.page_size = allocator.layout.page_size
@@ -78,6 +81,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
         self.max_prefill_rows = max_prefill_rows
+        self.whole_chunks = whole_chunks
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -186,6 +190,9 @@ class Scheduler:
         chunk = min(request.pending, budget, self.max_prefill_chunk)
         if self.prefix_cache is not None and request.computed < self.snapshot_boundary(request):
             chunk = min(chunk, self.snapshot_boundary(request) - request.computed)  # end where the snapshot is taken
+        if self.whole_chunks:
+            whole = min(request.pending, self.max_prefill_chunk)
+            return whole if chunk == whole and self.reserve(request, whole) else 0
         while chunk > 0 and not self.reserve(request, chunk):
             chunk = min(chunk - 1, self._fits(request))
         return max(chunk, 0)
