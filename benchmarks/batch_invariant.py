@@ -27,13 +27,7 @@ STEPS, ROUNDS, COPIES = 32, 3, 16
 
 def generate(engine: Engine, n: int, max_tokens: int) -> list:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-    ids = [engine.add_request(PROMPT, params) for _ in range(n)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return engine.generate([PROMPT] * n, [params] * n)
 
 
 def decode_tokens_per_s(engine: Engine, n: int) -> float:

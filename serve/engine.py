@@ -180,6 +180,17 @@ class Engine:
         self.scheduler.add(request)
         return request_id
 
+    def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+        """Adds the requests and steps until every one of them is done; their final outputs, in order
+        (requests added before run in the same steps)."""
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for output in self.step():
+                if output.finished and output.request_id in ids:
+                    done[output.request_id] = output
+        return [done[i] for i in ids]
+
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         self._texts.pop(request_id, None)

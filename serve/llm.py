@@ -72,10 +72,4 @@ class LLM:
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, s) for p, s in zip(prompts, params)]
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for output in self.engine.step():
-                if output.finished:
-                    done[output.request_id] = output
-        return [done[i] for i in ids]
+        return self.engine.generate(prompts, params)

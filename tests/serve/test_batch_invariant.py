@@ -28,13 +28,7 @@ def engine():
 
 
 def run(engine, requests):
-    ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    done = {}  # (requests added before the call finish too)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return engine.generate([prompt for prompt, _ in requests], [params for _, params in requests])
 
 
 def test_a_request_is_the_same_alone_and_among_fifteen_others(engine):
@@ -67,9 +61,8 @@ def test_whole_chunks_wait_rather_than_shrink(engine, monkeypatch):
 
     monkeypatch.setattr(engine.scheduler, "schedule", recording)
     lengths = (30, 20, 33, 17, 25, 9)
-    ids = [engine.add_request(list(range(5, 5 + n)), SamplingParams(max_tokens=3, ignore_eos=True)) for n in lengths]
-    run(engine, [])
-    for rid, n in zip(ids, lengths):
+    outputs = run(engine, [(list(range(5, 5 + n)), SamplingParams(max_tokens=3, ignore_eos=True)) for n in lengths])
+    for rid, n in zip([o.request_id for o in outputs], lengths):
         want, left = [], n
         while left > 1:  # a last lone prompt token runs in a decode row
             want.append(min(left, 16))

@@ -50,14 +50,8 @@ def workload(seed, count, lengths=(1, 70), max_tokens=(4, 12)):
 
 def generate(engine, prompts, max_tokens, logprobs=1):
     """Greedy outputs (with logprobs entries: the chosen token's and `logprobs` alternatives)."""
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs))
-           for p, n in zip(prompts, max_tokens)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+                                     for n in max_tokens])
 
 
 def run_all(engine, prompts, max_tokens):
