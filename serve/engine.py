@@ -296,13 +296,13 @@ class Engine:
         touched = []
         if plan.prefill:
             rows = [(r.tokens[r.computed:r.computed + n], r) for r, n in plan.prefill]
-            touched += self._emit(self._run(rows, bucket(len(rows), self.prefill_rows),
+            touched += self.emit(self._run(rows, bucket(len(rows), self.prefill_rows),
                                             bucket(max(len(t) for t, _ in rows), self.prefill_tokens)))
         if plan.decode and self.speculator is not None:
             touched += speculation.verify_step(self, plan.decode)
         elif plan.decode:
             rows = [(r.tokens[r.computed:], r) for r in plan.decode]
-            touched += self._emit(self._run(rows, bucket(len(rows), self.decode_rows), 1))
+            touched += self.emit(self._run(rows, bucket(len(rows), self.decode_rows), 1))
         requests = list(dict.fromkeys(touched))
         if self.speculator is not None:
             speculation.propose(self, [r for r in requests if r.status is Status.RUNNING])
@@ -328,9 +328,11 @@ class Engine:
             self.scheduler.preempt(request, suspect=request in unfinished)
         return [self._output(r, deltas) for r in finished]
 
-    def _emit(self, sampled: list[tuple[Request, int, dict | None]]) -> list[Request]:
+    def emit(self, sampled: list[tuple[Request, int, dict | None]]) -> list[Request]:
         """Appends sampled tokens (with their logprobs entries) and applies the stop rules; tokens that
-        follow a stop in the same step (a speculative window's) are dropped."""
+        follow a stop in the same step (a speculative window's) are dropped. Public with
+        `penalty_inputs`: a speculative step (serve/dspark/speculation.py) emits its accepted tokens
+        and builds its sampler's penalty inputs through them."""
         for request, token, logprobs in sampled:
             if request.status is not Status.FINISHED:
                 if logprobs is not None:
@@ -377,12 +379,12 @@ class Engine:
         batch = sampling.SamplingBatch.from_params(params, num_rows, num_generated=generated, request_ids=ids,
                                                    eos_token_ids=sorted(self.eos_ids), engine_seed=self.options.seed,
                                                    vocab_size=self.model.config.vocab_size)
-        counts, prompt_mask = self._penalty_inputs(ready, num_rows, self.model.config.vocab_size)
+        counts, prompt_mask = self.penalty_inputs(ready, num_rows, self.model.config.vocab_size)
         wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
         return _Sampler(batch, counts, prompt_mask, sampling.MAX_LOGPROBS if wants_logprobs else 0,
                         self.model.config.vocab_size)
 
-    def _penalty_inputs(self, ready, num_rows: int, vocab: int):
+    def penalty_inputs(self, ready, num_rows: int, vocab: int):
         """Output-token counts and prompt masks [num_rows, vocab] (zero rows for requests without a
         penalty), or (None, None) when no ready request uses one: at K3's 164K vocabulary a batch's
         two arrays are ~5 bytes x rows x 164K, too much to build and copy every step for nothing.

@@ -120,7 +120,7 @@ def verify_step(engine, requests) -> list:
     entries = _logprobs_entries(requests, result, tokens)
     for i, request in enumerate(requests):
         emitted = int(num_accepted[i]) + 1
-        engine._emit([(request, int(t), e) for t, e in zip(tokens[i, :emitted], entries[i][:emitted])])
+        engine.emit([(request, int(t), e) for t, e in zip(tokens[i, :emitted], entries[i][:emitted])])
         request.drafts, request.draft_logits = [], None
         if request.status is not Status.FINISHED:
             request.computed += emitted
@@ -161,7 +161,7 @@ def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts):
                                    request_ids=[r.arrival for r in requests],
                                    eos_token_ids=sorted(engine.eos_ids), engine_seed=engine.options.seed,
                                    vocab_size=logits.shape[-1])
-    counts, prompt_mask = engine._penalty_inputs(ready, num_rows, logits.shape[-1])
+    counts, prompt_mask = engine.penalty_inputs(ready, num_rows, logits.shape[-1])
     wants_logprobs = any(r.params.logprobs is not None for r in requests)
     return rejection.verify(logits, drafts, _draft_logits(engine, requests, num_rows), num_drafts, batch, counts,
                             prompt_mask, num_logprobs=sampling.MAX_LOGPROBS if wants_logprobs else 0)
