@@ -22,7 +22,7 @@ from convert.reader import CheckpointError
 from k3jax.config import K3Config
 from k3jax.decoder import K3Transformer
 from k3jax.model import K3Model, resolve_dtype
-from k3jax.placement import check_mesh
+from k3jax.placement import check_mesh, put
 from k3jax.vision.encoder import load_vision_encoder
 from sharding.axes import named_sharding
 from sharding.mesh import as_mesh
@@ -99,4 +99,4 @@ def _place(array, dtype, sharding):
     host = np.asarray(array, dtype)
     if sharding is None:
         return jax.device_put(host)  # jnp.asarray would compile a staging op per shape
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])  # per-device slices
+    return put(host, sharding)

@@ -18,10 +18,10 @@ from flax import nnx
 from convert.hf_params import HfParams
 from convert.orbax_params import OrbaxParams, is_converted
 from k3jax.config import K3Config
+from k3jax.placement import place_params
 from k3jax.vision.config import DEFAULT_MAX_PIXELS, ImageProcessorConfig, VisionConfig, vision_config
 from k3jax.vision.preprocess import PreparedImage, prepare
 from k3jax.vision.tower import VisionTower
-from sharding.axes import named_sharding
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -35,7 +35,7 @@ class VisionEncoder:
     def __init__(self, cfg: VisionConfig, processor: ImageProcessorConfig, graphdef, params, mesh=None):
         self.config, self.processor = cfg, processor
         self.graphdef = graphdef
-        self.params = params if mesh is None else _place(params, mesh)
+        self.params = params if mesh is None else place_params(params, mesh)  # "vision" replicates
 
     @classmethod
     def random(cls, cfg: VisionConfig, processor: ImageProcessorConfig | None = None, *, dtype="float32",
@@ -78,12 +78,3 @@ def encoder_from_arrays(vcfg: VisionConfig, processor: ImageProcessorConfig, arr
         raise AssertionError(f"the vision layout and the tower disagree on {sorted(set(arrays) ^ set(targets))[:5]}")
     values = [(p, t.replace(jnp.asarray(arrays[p], t.get_value().dtype))) for p, t in targets.items()]
     return VisionEncoder(vcfg, processor, graphdef, nnx.from_flat_state(values), mesh)
-
-
-def _place(params, mesh):
-    """Each parameter with the sharding of its logical axes (the table replicates "vision")."""
-    flat = []
-    for path, v in nnx.to_flat_state(params):
-        sharding = named_sharding(v.logical_axes, v.get_value().shape, mesh)
-        flat.append((path, v.replace(jax.device_put(v.get_value(), sharding))))
-    return nnx.from_flat_state(flat)
