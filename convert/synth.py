@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from convert import layout
 from convert.dspark_layout import draft_tensors
 from convert.vision_layout import vision_rules
-from k3jax.config import K3Config
+from k3jax.config import K3Config, fixed_router_bias
 from k3jax.dspark_config import DSparkConfig
 from k3jax.vision.config import vision_config
 from pallas_kernels.mxfp4_format import GROUP, random_scale_byte
@@ -57,9 +57,8 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
                      shard_bytes: int | None = None, fixed_routing: bool = False) -> K3Config:
     """Writes config.json and safetensors (sharded with an index when shard_bytes is given).
 
-    fixed_routing: router correction biases E, E - 1, ..., 1, so every token takes the same experts by
-    margins of 1, where random scores differ by less: two numeric paths then never route apart (for
-    tests that compare paths by value; random routers have near-ties that rounding flips)."""
+    fixed_routing: the router correction biases of `k3jax.config.fixed_router_bias` (every token takes
+    the same experts by wide margins), for tests that compare numeric paths by value."""
     cfg = K3Config.from_hf_dict(hf_config)
     total = layout.checkpoint_bytes(cfg)
     if total > MAX_SYNTHETIC_BYTES:
@@ -69,7 +68,8 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
     rng = np.random.default_rng(seed)
     tensors = ((n, synthetic_tensor(n, r, rng)) for n, r in layout.all_tensors(cfg).items())
     if fixed_routing:
-        tensors = ((n, fixed_router_bias(t) if n.endswith("e_score_correction_bias") else t) for n, t in tensors)
+        tensors = ((n, np.asarray(fixed_router_bias(t.shape[-1]), t.dtype) if n.endswith("e_score_correction_bias")
+                    else t) for n, t in tensors)
     if cfg.model_type == "kimi_k3":
         tensors = itertools.chain(tensors, vision_tensors(cfg, rng).items())
     _save_shards(out_dir, tensors, shard_bytes)
@@ -77,12 +77,6 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, *, seed: int =
         json.dump(hf_config, f, indent=2)
     write_tokenizer(out_dir, cfg)
     return cfg
-
-
-def fixed_router_bias(bias: np.ndarray) -> np.ndarray:
-    """Router correction biases E, E - 1, ..., 1 in `bias`'s shape and dtype (write_checkpoint's
-    fixed_routing; K3Model.with_fixed_routing for a model built in memory)."""
-    return np.arange(bias.shape[-1], 0, -1).astype(bias.dtype)
 
 
 def write_draft_checkpoint(out_dir: str | os.PathLike, draft_config: dict, *, seed: int = 0,

@@ -182,6 +182,14 @@ class K3Config:
         return dataclasses.replace(self, **changes)
 
 
+def fixed_router_bias(num_experts: int) -> list[float]:
+    """Router correction biases E, E - 1, ..., 1: every token takes experts 0..k-1 by margins of 1,
+    wider than any difference of sigmoid scores, so two numeric paths never route apart (a synthetic
+    checkpoint's `fixed_routing`, `K3Model.with_fixed_routing`; random routers have near-ties that
+    rounding flips)."""
+    return [float(e) for e in range(num_experts, 0, -1)]
+
+
 def _from_hf_dict(raw: dict[str, Any]) -> K3Config:
     outer_type = raw.get("model_type", "kimi_linear")
     if outer_type == "kimi_k3":

@@ -11,8 +11,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from convert.synth import fixed_router_bias
-from k3jax.config import K3Config
+from k3jax.config import K3Config, fixed_router_bias
 from k3jax.decoder import DecodeState, K3Transformer, init_cache
 from k3jax.placement import cache_shardings, check_mesh, place_params, put
 from sharding.mesh import as_mesh, data_size, rows_sharding
@@ -88,14 +87,14 @@ class K3Model:
         return cls.from_module(module, as_mesh(mesh))
 
     def with_fixed_routing(self) -> "K3Model":
-        """This model with the router correction biases of a synthetic checkpoint written with
-        fixed_routing: every token takes the same experts by margins of 1. Two numeric paths (bf16
-        against fp32, a kernel against XLA, a window against token-by-token decode) then route alike;
-        with the random scores' near-ties a rounding flips expert choices and moves every later value
-        by far more than rounding."""
+        """This model with `fixed_router_bias` in every router: two numeric paths (bf16 against fp32, a
+        kernel against XLA, a window against token-by-token decode) then route alike; with the random
+        scores' near-ties a rounding flips expert choices and moves every later value by far more."""
         def fix(path, v):
             if path[-2:] == ("gate", "e_score_correction_bias"):
-                return v.replace(jnp.asarray(fixed_router_bias(np.asarray(v.get_value()))))
+                bias = v.get_value()
+                fixed = np.asarray(fixed_router_bias(bias.shape[-1]), bias.dtype)
+                return v.replace(put(fixed, bias.sharding) if self.mesh is not None else jnp.asarray(fixed))
             return v
         params = nnx.from_flat_state([(k, fix(k, v)) for k, v in nnx.to_flat_state(self.params)])
         return K3Model(self.config, self.graphdef, params, self.mesh, self.vision)

@@ -184,10 +184,10 @@ class Engine:
         """Adds the requests and steps until every one of them is done; their final outputs, in order
         (requests added before run in the same steps)."""
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
-        done: dict[str, RequestOutput] = {}
+        wanted, done = set(ids), {}
         while len(done) < len(ids):
             for output in self.step():
-                if output.finished and output.request_id in ids:
+                if output.finished and output.request_id in wanted:
                     done[output.request_id] = output
         return [done[i] for i in ids]
 
