@@ -73,7 +73,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # TESTING ONLY: lets chat requests force the model's output, to test the parsers end to end.
     parser.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     distributed.add_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        engine_options(args)  # a bad combination is a usage error, before anything loads
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    return EngineOptions(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_prefill_rows=args.max_num_partial_prefills, block_size=args.block_size,
+                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                         num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
+                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                         speculative_config=args.speculative_config, batch_invariant=args.batch_invariant)
 
 
 def _positive(text: str) -> int:
@@ -105,13 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     enable_compilation_cache()
     path = args.model or default_model_dir()
-    options = EngineOptions(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_prefill_rows=args.max_num_partial_prefills, block_size=args.block_size,
-                            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                            num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
-                            enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                            speculative_config=args.speculative_config, batch_invariant=args.batch_invariant)
+    options = engine_options(args)
     log = logging.getLogger("k3jax.serve")
     log.info("loading %s", path)
     model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,

@@ -11,6 +11,7 @@ import pytest
 
 from k3jax.config import K3Config
 from k3jax.model import K3Model
+from k3jax.serve import engine_options, parse_args
 from serve.engine import Engine, EngineOptions
 from serve.sampling import SamplingParams
 
@@ -73,3 +74,10 @@ def test_whole_chunks_wait_rather_than_shrink(engine, monkeypatch):
 def test_refused_with_prefix_caching_or_speculation():
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineOptions(batch_invariant=True, enable_prefix_caching=True)
+
+
+def test_the_server_flag_reaches_the_engine_and_a_bad_combination_is_a_usage_error(capsys):
+    assert engine_options(parse_args(["--batch-invariant"])).batch_invariant
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--batch-invariant", "--enable-prefix-caching"])
+    assert exit_info.value.code == 2 and "batch_invariant: not with prefix caching" in capsys.readouterr().err
