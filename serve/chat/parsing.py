@@ -8,18 +8,34 @@ tokens kept and no spaces added around them. Its shape is
      <|close|>tools<|sep|>] <|close|>message<|sep|>
 
 Content is the text after the reasoning and before the tools channel, without the response
-wrappers; text after the message close is not part of the message. One incremental parser does
-both jobs: `OutputParser` streams, and `parse_output` feeds it the whole text at once, so the two
-agree for any split of the stream (exactly so when the stream holds reasoning back, see E8 below).
-Where vLLM 0.33 and SGLang differ, SGLang's reading is taken:
+wrappers; the message ends at its close, at `<|end_of_msg|>` or at the text of a stop token
+(`[EOS]`, `[EOT]`), and what follows is not part of it. One incremental parser does both jobs:
+`OutputParser` streams, and `parse_output` feeds it the whole text at once, so the two agree for
+any split of the stream (exactly so when the stream holds back text whose channel is not yet
+known, see below). The channels follow SGLang 0.5.23's K3 parsers, whose reading differs from
+vLLM 0.33's where the model strays from the shape above:
 
-* thinking mode, no think close, but a response or tools opener: the reasoning ends there, and the
-  calls count (E9);
-* thinking mode, a response close before any think close: the model skipped the think channel and
-  everything was the response (E8). A stream cannot know this until the close arrives, so a parser
-  that streams reasoning live (`stream_reasoning=True`) reports such text as reasoning instead;
+* thinking mode: the first think close ends the reasoning. A response opener before it was
+  written inside the reasoning if a think close still follows, and opened the response if none
+  does; likewise a response close, which with no think close after it means the model skipped
+  the think channel and everything was the response (E8), as does a message close. A tools
+  opener ends the reasoning at once and its calls count (E9);
+* instant mode: a think opener at the start, or a think close before the reply's own close, means
+  the model thought anyway, and the text before the close is reasoning;
+* generation can stop inside a marker (three tokens: `<|open|>` or `<|close|>`, a name, `<|sep|>`);
+  a trailing `<|open|>` or `<|close|>`, alone or with a channel's name, is dropped as markup;
 * a tool call counts once its `<|close|>call<|sep|>` has arrived, and only when the request had
-  tools; a truncated or nameless call is dropped, the text around it kept. Nothing here raises.
+  tools; it is headed by its first call opener, so one written inside an argument stays text. A
+  truncated or nameless call is dropped, the text around it kept. Nothing here raises.
+
+Two readings of SGLang's are not taken, because they put markup in the content: the tools channel
+of a request without tools is dropped rather than shown raw, and a stop token's text ends the
+message rather than staying in it. Whitespace-only channels are None.
+
+A parser that streams reasoning live (`stream_reasoning=True`) must send text before the marker
+that decides its channel arrives: reasoning later shown to be a skipped think channel stays
+reasoning, and instant-mode content later shown to be reasoning stays content (its think close is
+dropped). Held streams (`stream_reasoning=False`) wait, and match `parse_output` exactly.
 """
 
 from __future__ import annotations
@@ -39,12 +55,18 @@ CALL_CLOSE = "<|close|>call<|sep|>"
 MESSAGE_CLOSE = "<|close|>message<|sep|>"
 END_OF_MESSAGE = "<|end_of_msg|>"
 
-# What ends the reasoning, in thinking mode. The first two mean the think channel was skipped.
-_REASONING_ENDS = (THINK_CLOSE, RESPONSE_OPEN, TOOLS_OPEN, RESPONSE_CLOSE, MESSAGE_CLOSE)
-_SKIPPED_THINK = (RESPONSE_CLOSE, MESSAGE_CLOSE)
-# Markers met in the response: the response wrappers are dropped, the others end the content.
-_RESPONSE_MARKERS = (RESPONSE_OPEN, RESPONSE_CLOSE, TOOLS_OPEN, MESSAGE_CLOSE, END_OF_MESSAGE)
-_TOOLS_MARKERS = (CALL_CLOSE, TOOLS_CLOSE, MESSAGE_CLOSE, END_OF_MESSAGE)
+# Each of these ends the message: its close, or a stop token whose text the detokenizer kept.
+_MESSAGE_ENDS = (MESSAGE_CLOSE, END_OF_MESSAGE, "[EOS]", "[EOT]")
+# What ends the reasoning, in thinking mode (see the module docstring for what each means).
+_REASONING_ENDS = (THINK_CLOSE, TOOLS_OPEN, RESPONSE_OPEN, RESPONSE_CLOSE, *_MESSAGE_ENDS)
+# After a response opener met in the reasoning: what shows whether that opener was real.
+_OPENER_TESTS = (THINK_CLOSE, TOOLS_OPEN, *_MESSAGE_ENDS)
+# Instant mode, before the reply shows its shape: a think close first means the model thought anyway.
+_INSTANT_TESTS = (THINK_CLOSE, RESPONSE_CLOSE, TOOLS_OPEN, *_MESSAGE_ENDS)
+_TOOLS_MARKERS = (CALL_CLOSE, TOOLS_CLOSE, *_MESSAGE_ENDS)
+# Generation cut right after `<|open|>` or `<|close|>`, or after a channel name, leaves the start of a
+# marker (each is three tokens) that can never complete; it is markup, not text.
+_CUT_MARKER = re.compile(r"<\|(?:open|close)\|>(?:think|response|tools|message)?\Z")
 
 _CALL_HEADER = re.compile(r"<\|open\|>call\b(?P<attrs>(?:(?!<\|sep\|>).)*)<\|sep\|>", re.DOTALL)
 _ARGUMENT = re.compile(r"<\|open\|>argument\b(?P<attrs>(?:(?!<\|sep\|>).)*)<\|sep\|>"
@@ -109,21 +131,26 @@ class _Channel:
 class OutputParser:
     """Streaming parser: `feed` each text delta as detokenized (special tokens kept), then `finish`.
 
-    Text that might be the start of a marker is held until the marker completes or cannot. With
-    `stream_reasoning=False`, reasoning is held until the think channel ends, which is what makes
-    a skipped think channel (E8) come out as content, as in `parse_output`."""
+    Text that might be the start of a marker is held until the marker completes or cannot, and so is
+    text whose channel a later marker decides (after a response opener inside the reasoning). With
+    `stream_reasoning=False`, reasoning is held until the think channel ends, and instant-mode text
+    until the reply shows its shape, which is what makes a skipped think channel (E8) come out as
+    content and thinking in instant mode come out as reasoning, as in `parse_output`."""
 
     def __init__(self, *, thinking: bool = True, tools: list | None = None, stream_reasoning: bool = True):
         self._parse_calls = bool(tools)
         self._stream_reasoning = stream_reasoning
-        self._step = self._reasoning_step if thinking else self._response_step
-        self._at_reasoning_start = True
+        self._thinking = thinking
+        self._step = self._start_step
         self._buffer = ""  # text not yet assigned to a channel
+        self._scanned = 0  # steps that hold the whole buffer: no marker of theirs starts before this
         self._unreleased_reasoning = ""  # with stream_reasoning=False: reasoning not yet sent
         self._reasoning = _Channel()
         self._content = _Channel()
+        # In instant mode the response has no think close of its own: one there is dropped as markup.
+        self._response_markers = (RESPONSE_OPEN, RESPONSE_CLOSE, TOOLS_OPEN, *_MESSAGE_ENDS,
+                                  *(() if thinking else (THINK_CLOSE,)))
         self._num_calls = 0
-        self._tools_scanned = 0  # no tools-channel marker starts before this point of the buffer
 
     def feed(self, text: str) -> Delta:
         self._buffer += text
@@ -139,37 +166,103 @@ class OutputParser:
             pass
         return delta.to_delta()
 
+    def _go(self, step) -> bool:
+        self._step, self._scanned = step, 0
+        return True
+
     # Each step consumes what it can from the buffer and returns whether to step again.
 
+    def _start_step(self, delta: _DeltaText, final: bool) -> bool:
+        # A think opener first: the model repeated the prompt's (thinking mode) or thinks although
+        # the prompt opened the response (instant mode). Either way, reasoning follows.
+        if self._buffer.startswith(THINK_OPEN):
+            self._buffer = self._buffer[len(THINK_OPEN):]
+            self._response_markers = tuple(m for m in self._response_markers if m != THINK_CLOSE)
+            return self._go(self._reasoning_step)
+        if THINK_OPEN.startswith(self._buffer) and not final:
+            return False
+        if self._thinking:
+            return self._go(self._reasoning_step)
+        return self._go(self._response_step if self._stream_reasoning else self._instant_step)
+
     def _reasoning_step(self, delta: _DeltaText, final: bool) -> bool:
-        if self._at_reasoning_start:
-            # The model may repeat the think opener that ended the prompt.
-            if self._buffer.startswith(THINK_OPEN):
-                self._buffer = self._buffer[len(THINK_OPEN):]
-            elif THINK_OPEN.startswith(self._buffer) and not final:
-                return False
-            self._at_reasoning_start = False
         at, marker = _first_marker(self._buffer, _REASONING_ENDS)
         if marker is None:
             self._add_reasoning(self._take_text(_REASONING_ENDS, final), delta)
             if final:
                 self._release_reasoning(delta)
             return False
-        if marker in _SKIPPED_THINK and not self._stream_reasoning:
-            # E8: nothing was reasoning; all the text so far goes to the response.
-            self._buffer = self._unreleased_reasoning + self._buffer
-            self._unreleased_reasoning = ""
+        if marker == MESSAGE_CLOSE:
+            self._add_reasoning(self._buffer[:at], delta)
+            self._buffer = self._buffer[at:]
+            return self._skipped_think(delta)
+        self._add_reasoning(self._buffer[:at], delta)
+        if marker == RESPONSE_CLOSE:
+            # Real, or written inside the reasoning: a think close still to come says which.
+            self._buffer = self._buffer[at:]
+            return self._go(self._response_close_step)
+        self._release_reasoning(delta)
+        if marker == THINK_CLOSE:
+            self._buffer = self._buffer[at + len(marker):]
+        elif marker == RESPONSE_OPEN:
+            # Real, or written inside the reasoning: a think close still to come says which.
+            self._buffer = self._buffer[at + len(marker):]
+            return self._go(self._opener_step)
         else:
+            self._buffer = self._buffer[at:]  # the response step acts on the marker
+        return self._go(self._response_step)
+
+    def _response_close_step(self, delta: _DeltaText, final: bool) -> bool:
+        at, marker = _first_marker(self._buffer, _OPENER_TESTS, start=max(self._scanned, len(RESPONSE_CLOSE)))
+        if marker is None and not final:
+            self._scanned = _rescan_from(self._buffer, _OPENER_TESTS)
+            return False
+        if marker == THINK_CLOSE:  # the response close was text of the reasoning
             self._add_reasoning(self._buffer[:at], delta)
             self._release_reasoning(delta)
-            # The response step drops or acts on every marker here but the think close.
-            self._buffer = self._buffer[at + len(THINK_CLOSE):] if marker == THINK_CLOSE else self._buffer[at:]
-        self._step = self._response_step
-        return True
+            self._buffer = self._buffer[at + len(marker):]
+            return self._go(self._response_step)
+        return self._skipped_think(delta)
+
+    def _skipped_think(self, delta: _DeltaText) -> bool:
+        """E8: the response or the message closed with no think close, so the think channel was
+        skipped. Held reasoning goes back to the response; streamed reasoning stays sent."""
+        self._buffer = self._unreleased_reasoning + self._buffer
+        self._unreleased_reasoning = ""
+        return self._go(self._response_step)
+
+    def _opener_step(self, delta: _DeltaText, final: bool) -> bool:
+        at, marker = _first_marker(self._buffer, _OPENER_TESTS, start=self._scanned)
+        if marker is None and not final:
+            self._scanned = _rescan_from(self._buffer, _OPENER_TESTS)
+            return False
+        if marker == THINK_CLOSE:  # the opener was text of the reasoning
+            self._add_reasoning(RESPONSE_OPEN + self._buffer[:at], delta)
+            self._release_reasoning(delta)
+            self._buffer = self._buffer[at + len(marker):]
+        return self._go(self._response_step)
+
+    def _instant_step(self, delta: _DeltaText, final: bool) -> bool:
+        at, marker = _first_marker(self._buffer, _INSTANT_TESTS, start=self._scanned)
+        if marker is None and not final:
+            self._scanned = _rescan_from(self._buffer, _INSTANT_TESTS)
+            return False
+        if marker == THINK_CLOSE:  # the model thought although the prompt opened the response
+            self._add_reasoning(self._buffer[:at], delta)
+            self._release_reasoning(delta)
+            self._buffer = self._buffer[at + len(marker):]
+            self._response_markers = tuple(m for m in self._response_markers if m != THINK_CLOSE)
+        return self._go(self._response_step)
 
     def _take_text(self, markers: tuple[str, ...], final: bool) -> str:
-        """The buffered text, less an end that could still grow into one of `markers`."""
-        cut = len(self._buffer) - (0 if final else _partial_marker_length(self._buffer, markers))
+        """The buffered text, less an end that could still grow into one of `markers`, or at the
+        end of the generation, less the start of a marker that generation stopped inside."""
+        if final:
+            cut = _CUT_MARKER.search(self._buffer)
+            text = self._buffer[:cut.start()] if cut else self._buffer
+            self._buffer = ""
+            return text
+        cut = len(self._buffer) - _partial_marker_length(self._buffer, markers)
         text, self._buffer = self._buffer[:cut], self._buffer[cut:]
         return text
 
@@ -184,36 +277,36 @@ class OutputParser:
         self._unreleased_reasoning = ""
 
     def _response_step(self, delta: _DeltaText, final: bool) -> bool:
-        at, marker = _first_marker(self._buffer, _RESPONSE_MARKERS)
+        at, marker = _first_marker(self._buffer, self._response_markers)
         if marker is None:
-            delta.content += self._content.add(self._take_text(_RESPONSE_MARKERS, final))
+            delta.content += self._content.add(self._take_text(self._response_markers, final))
             return False
         delta.content += self._content.add(self._buffer[:at])
         self._buffer = self._buffer[at + len(marker):]
         if marker == TOOLS_OPEN:
-            self._step = self._tools_step
-        elif marker in (MESSAGE_CLOSE, END_OF_MESSAGE):
-            self._step = self._done_step
-        return True
+            return self._go(self._tools_step)
+        if marker in _MESSAGE_ENDS:
+            return self._go(self._done_step)
+        return True  # a response wrapper, dropped
 
     def _tools_step(self, delta: _DeltaText, final: bool) -> bool:
         # A call is buffered whole, so searching only the new text keeps a long call linear.
-        at, marker = _first_marker(self._buffer, _TOOLS_MARKERS, start=self._tools_scanned)
+        at, marker = _first_marker(self._buffer, _TOOLS_MARKERS, start=self._scanned)
         if marker is None:
-            self._tools_scanned = max(0, len(self._buffer) - max(map(len, _TOOLS_MARKERS)) + 1)
+            self._scanned = _rescan_from(self._buffer, _TOOLS_MARKERS)
             return False  # an unfinished call waits for its close, and is dropped if none comes
         call_text, self._buffer = self._buffer[:at], self._buffer[at + len(marker):]
-        self._tools_scanned = 0
+        self._scanned = 0
         if marker != CALL_CLOSE:
-            self._step = self._done_step
-        elif self._parse_calls and (call := _parse_call(call_text)) is not None:
+            return self._go(self._done_step)
+        if self._parse_calls and (call := _parse_call(call_text)) is not None:
             delta.tool_calls.append({"index": self._num_calls, "id": make_tool_call_id(), "type": "function",
                                      "function": call})
             self._num_calls += 1
         return True
 
     def _done_step(self, delta: _DeltaText, final: bool) -> bool:
-        self._buffer = ""  # text after the message close is not part of the message
+        self._buffer = ""  # text after the message's end is not part of the message
         return False
 
 
@@ -233,10 +326,17 @@ def _first_marker(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[
     return min(found) if found else (-1, None)
 
 
+def _rescan_from(text: str, markers: tuple[str, ...]) -> int:
+    """Where the next search for `markers` must start once `text` holds none: a marker may still
+    end in text yet to come, so it starts at most one marker length back."""
+    return max(0, len(text) - max(map(len, markers)) + 1)
+
+
 def _partial_marker_length(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that could grow into one of `markers`."""
-    for start in range(max(0, len(text) - max(map(len, markers)) + 1), len(text)):
-        if text[start] == "<" and any(marker.startswith(text[start:]) for marker in markers):
+    firsts = {marker[0] for marker in markers}
+    for start in range(_rescan_from(text, markers), len(text)):
+        if text[start] in firsts and any(marker.startswith(text[start:]) for marker in markers):
             return len(text) - start
     return 0
 
@@ -245,8 +345,9 @@ def _parse_call(text: str) -> dict | None:
     """{"name", "arguments"} of one call element (`text` up to its close), or None when it has no
     `tool` attribute. Arguments are re-typed by their `type` attribute: strings are raw text,
     anything else is JSON, kept as the raw string when it does not parse (E6)."""
-    headers = list(_CALL_HEADER.finditer(text))
-    header = headers[-1] if headers else None  # an earlier opener would be a call left unfinished
+    # The first opener heads the call: a later one is text inside an argument value, or the opener
+    # of a call left unfinished whose arguments then count for this one (SGLang's reading of both).
+    header = _CALL_HEADER.search(text)
     name = _attributes(header["attrs"]).get("tool") if header else None
     if not name:
         return None

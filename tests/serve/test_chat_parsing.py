@@ -144,9 +144,13 @@ def test_repeated_think_opener_is_not_reasoning():
     assert (parsed.reasoning_content, parsed.content) == ("Hmm.", "Ok.")
 
 
-def test_instant_mode_has_no_reasoning_channel():
+def test_instant_mode_has_reasoning_only_when_the_model_closes_a_think_channel():
+    # SGLang's reading: a think close in instant mode means the model thought anyway, and leaving
+    # the marker in the content would show markup (tests/serve/test_chat_parsing_sglang.py).
     parsed = parse_output("Plain.<|close|>think<|sep|>answer", thinking=False)
-    assert (parsed.reasoning_content, parsed.content) == (None, "Plain.<|close|>think<|sep|>answer")
+    assert (parsed.reasoning_content, parsed.content) == ("Plain.", "answer")
+    parsed = parse_output("Plain answer.<|close|>response<|sep|>", thinking=False)
+    assert (parsed.reasoning_content, parsed.content) == (None, "Plain answer.")
 
 
 def test_fragments_of_markers_never_raise():
