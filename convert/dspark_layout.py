@@ -1,7 +1,7 @@
 """The K3 DSpark draft checkpoint layout (ARCHITECTURE.md, "DSpark draft"): every
 tensor name, its shape as stored ([out, in] for linears) and the draft parameter it fills.
 
-Paths are those of serve.dspark.draft.DSparkDraft; linear weights are stored transposed there
+Paths are those of k3jax.dspark.model.DSparkDraft; linear weights are stored transposed there
 ([in, out] kernels). Names carry no `model.` prefix (a loader strips one).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from k3jax.dspark_config import DSparkConfig
+from k3jax.dspark.config import DSparkConfig
 
 # Tensors a draft checkpoint may carry that the draft does not use: the target's are shared.
 IGNORED_PREFIXES = ("embed_tokens.", "lm_head.")
@@ -44,7 +44,7 @@ def draft_tensors(cfg: DSparkConfig) -> dict[str, DraftTensor]:
         out.update(linear(attn + "q_a_proj.weight", cfg.q_lora_rank, h, attn_path + ("q_a_proj",)))
         out.update(norm(attn + "q_a_layernorm.weight", cfg.q_lora_rank, attn_path + ("q_a_layernorm",)))
         out.update(linear(attn + "q_b_proj.weight", heads * cfg.qk_head_dim, cfg.q_lora_rank, attn_path + ("q_b_proj",)))
-        out.update(linear(attn + "kv_a_proj_with_mqa.weight", cfg.cache_width, h, attn_path + ("kv_a_proj_with_mqa",)))
+        out.update(linear(attn + "kv_a_proj_with_mqa.weight", cfg.mla_cache_width, h, attn_path + ("kv_a_proj_with_mqa",)))
         out.update(norm(attn + "kv_a_layernorm.weight", cfg.kv_lora_rank, attn_path + ("kv_a_layernorm",)))
         out.update(linear(attn + "kv_b_proj.weight", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                           cfg.kv_lora_rank, attn_path + ("kv_b_proj",)))

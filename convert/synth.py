@@ -20,7 +20,7 @@ from convert import layout
 from convert.dspark_layout import draft_tensors
 from convert.vision_layout import vision_rules
 from k3jax.config import K3Config, fixed_router_bias
-from k3jax.dspark_config import DSparkConfig
+from k3jax.dspark.config import DSparkConfig
 from k3jax.vision.config import vision_config
 from pallas_kernels.mxfp4_format import GROUP, random_scale_byte
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import DENSE, KDA, K3Config
-from k3jax.dspark_config import TAP_KINDS
+from k3jax.dspark.config import TAP_KINDS
 from k3jax.layers import attn_res
 from k3jax.layers.common import Linear, RMSNorm, param
 from k3jax.layers.ffn import MoE, GatedMLP

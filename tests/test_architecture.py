@@ -22,7 +22,7 @@ UNITS = {
     "mxfp4_format": ("pallas_kernels.mxfp4_format",),
     "kernels": ("pallas_kernels",),
     "sharding": ("sharding",),
-    "config": ("k3jax.config", "k3jax.presets", "k3jax.dspark_config", "k3jax.vision.config"),
+    "config": ("k3jax.config", "k3jax.presets", "k3jax.dspark.config", "k3jax.vision.config"),
     "convert": ("convert",),
     "layers": ("k3jax.layers",),
     "model": ("k3jax",),
@@ -69,10 +69,6 @@ EXCEPTIONS = {
     ("k3jax.eval.__main__", "serve.llm"): "issue 22",
     ("k3jax.eval.generate", "serve.engine"): "issue 22",
     ("k3jax.eval.generate", "serve.sampling"): "issue 22",
-    # issue 22: the DSpark draft model is model code living in serve/; it moves next to the target
-    # model (k3jax/), built from k3jax/layers/, and then reaches the kernels through the layers.
-    ("serve.dspark.draft", "pallas_kernels.mla"): "issue 22",
-    ("serve.dspark.draft", "pallas_kernels.activations"): "issue 22",
 }
 
 

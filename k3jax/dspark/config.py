@@ -2,7 +2,8 @@
 
 A leaf module like k3jax.config (no model code), so `convert` can use it. The draft is a dense MLA
 transformer (RoPE, no NoPE / output gate / q-k norm) reading the target's hidden states at
-`target_layer_ids` (ARCHITECTURE.md, "DSpark draft").
+`target_layer_ids` (ARCHITECTURE.md, "DSpark draft"); its attention is k3jax.layers.mla's layer, which
+reads the MLA fields below under the target config's names.
 
 `target_hidden_tap` is k3jax's own key: which AttnRes quantity "the hidden state after layer i" is
 (the checkpoint must say what it was trained on: vLLM and SGLang read it differently):
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from k3jax.config import ConfigError, K3Config
 
@@ -58,6 +59,9 @@ class DSparkConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     target_hidden_tap: str = "residual_sum"
+    # Fixed for the draft (a config that sets them is refused, _REJECTED_FLAGS): plain MLA with RoPE.
+    mla_use_nope: ClassVar[bool] = False
+    mla_use_output_gate: ClassVar[bool] = False
 
     def __post_init__(self):
         _validate(self)
@@ -76,7 +80,7 @@ class DSparkConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def cache_width(self) -> int:
+    def mla_cache_width(self) -> int:
         """Values per token per draft layer in the draft pages: [normalised latent | rotated key]."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 

@@ -18,10 +18,10 @@ from flax import nnx
 from convert.dspark_layout import CONFIDENCE_PREFIX, IGNORED_PREFIXES, draft_tensors
 from convert.reader import CheckpointError, SafetensorsReader
 from k3jax.config import K3Config
-from k3jax.dspark_config import DSparkConfig
+from k3jax.dspark.config import DSparkConfig
+from k3jax.dspark.model import DSparkDraft
 from k3jax.model import resolve_dtype
 from k3jax.placement import place_params
-from serve.dspark.draft import DSparkDraft
 from sharding.mesh import as_mesh
 
 PREFIX = "model."

@@ -10,7 +10,8 @@ pools are viewed as one [L * num_pages] pool with layer l's page ids offset by l
 reshape), so no step copies a layer's pool out of the stack.
 
 The block attends non-causally: every block row sees all positions < p + K, i.e. the same keys, so
-the K rows fold into the head axis of the absorbed-form paged decode attention (pages read once).
+the K rows fold into the head axis of the absorbed-form paged decode attention (pages read once;
+k3jax.layers.mla's `attend_block`).
 """
 
 from __future__ import annotations
@@ -21,100 +22,29 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.dspark_config import DSparkConfig
+from k3jax.dspark.config import DSparkConfig
+from k3jax.dspark.markov import markov_sample
 from k3jax.layers.common import Linear, RMSNorm, param
-from k3jax.layers.mla import MLAPages, rope_interleaved
-from pallas_kernels import mla as mla_ops
-from pallas_kernels.activations import GatedActivation
-from serve.dspark.markov import markov_sample
+from k3jax.layers.ffn import GatedMLP
+from k3jax.layers.mla import MLAPages, MultiHeadLatentAttention, page_slots
 
-FOLD_ROWS = 128  # query rows (block rows x heads) per paged attention call
-
-__all__ = ["DSparkDraft", "SharedHead", "init_draft_pages", "inject_context", "markov_sample", "propose",
-           "shared_head"]
-
-
-class DraftAttention(nnx.Module):
-    """MLA with q LoRA and RoPE on the shared key: no output gate, no q/k norm, no NoPE."""
-
-    def __init__(self, cfg: DSparkConfig, *, dtype, rngs):
-        h, heads = cfg.hidden_size, cfg.num_attention_heads
-        self.cfg = cfg
-        self.q_a_proj = Linear(h, cfg.q_lora_rank, ("embed", "q_lora"), dtype=dtype, rngs=rngs)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-        self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, ("q_lora", "heads"), dtype=dtype, rngs=rngs)
-        self.kv_a_proj_with_mqa = Linear(h, cfg.cache_width, ("embed", "kv_latent"), dtype=dtype, rngs=rngs)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                ("kv_lora", "heads"), dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(heads * cfg.v_head_dim, h, ("heads", "embed"), dtype=dtype, rngs=rngs)
-
-    def kv_rows(self, x, positions):
-        """x [N, T, H] at positions [N, T] -> cache rows [N, T, kv_lora_rank + qk_rope_head_dim]."""
-        r = self.cfg.kv_lora_rank
-        kv = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(kv[..., :r])
-        return jnp.concatenate([latent, rope_interleaved(kv[..., r:], positions, self.cfg.rope_theta)], axis=-1)
-
-    def attend(self, x, positions, pool, scale, page_table, kv_length):
-        """Queries of x [N, T, H] over the first kv_length[n] rows of the paged pool (absorbed form)."""
-        cfg = self.cfg
-        n, t, _ = x.shape
-        heads, nope, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(n, t, heads, cfg.qk_head_dim)
-        q_rope = rope_interleaved(q[..., nope:], positions[:, :, None], cfg.rope_theta)
-        w = self.kv_b_proj.kernel[...].reshape(r, heads, nope + cfg.v_head_dim)
-        w_uk, w_uv = w[..., :nope].astype(x.dtype), w[..., nope:].astype(x.dtype)
-        q_latent = jnp.einsum("nthd,chd->nthc", q[..., :nope], w_uk, preferred_element_type=jnp.float32)
-        q_full = jnp.concatenate([q_latent.astype(x.dtype), q_rope], axis=-1)
-        latent = _block_attention(q_full, pool, scale, page_table, kv_length, cfg.qk_head_dim ** -0.5, r)
-        o = jnp.einsum("nthc,chv->nthv", latent, w_uv, preferred_element_type=jnp.float32)
-        return self.o_proj(o.astype(x.dtype).reshape(n, t, heads * cfg.v_head_dim))
-
-
-def _block_attention(q, pool, kv_scale, page_table, kv_length, scale, value_width):
-    """q [N, T, heads, C] latent queries that all see the same keys (the first kv_length[n] rows)
-    -> [N, T, heads, value_width]. Groups of rows fold into the head axis of one paged decode call,
-    at most FOLD_ROWS query rows per call (the kernel pads them to a power of two and holds them at
-    once); further groups repeat the row's page table as extra batch rows."""
-    n, t, heads, c = q.shape
-    per_group = max(1, min(t, FOLD_ROWS // heads))
-    groups = -(-t // per_group)
-    q = jnp.pad(q, ((0, 0), (0, groups * per_group - t), (0, 0), (0, 0)))
-    q = q.reshape(n * groups, per_group * heads, c)
-    out = mla_ops.paged_decode_attention(q, pool, jnp.repeat(page_table, groups, axis=0),
-                                         jnp.repeat(kv_length, groups), scale=scale, value_width=value_width,
-                                         kv_scale=kv_scale)
-    return out.reshape(n, groups * per_group, heads, value_width)[:, :t]
-
-
-class DraftMLP(nnx.Module):
-    def __init__(self, cfg: DSparkConfig, *, dtype, rngs):
-        h, f = cfg.hidden_size, cfg.intermediate_size
-        # vLLM's dense MLPs default SiTU's beta to 1.0 when the key is absent.
-        self.activation = GatedActivation(cfg.hidden_act, *((cfg.activation_situ_beta or 1.0,
-                                                             cfg.activation_situ_linear_beta)
-                                                            if cfg.hidden_act == "situ" else (None, None)))
-        self.gate_proj = Linear(h, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(h, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(f, h, ("mlp", "embed"), dtype=dtype, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)).astype(x.dtype))
+__all__ = ["DSparkDraft", "SharedHead", "init_draft_pages", "inject_context", "propose", "shared_head"]
 
 
 class DraftLayer(nnx.Module):
+    """Pre-norm MLA (q LoRA, RoPE on the shared key, no output gate) and a dense gated MLP."""
+
     def __init__(self, cfg: DSparkConfig, *, dtype, rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = DraftAttention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = MultiHeadLatentAttention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = DraftMLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = GatedMLP(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
 
 class DSparkDraft(nnx.Module):
     """The draft's own parameters (embedding and LM head are the target's: see `shared_head`).
 
-    Attribute paths follow the checkpoint names (serve.dspark.loading maps them); kernels are [in, out].
+    Attribute paths follow the checkpoint names (k3jax.dspark.loading maps them); kernels are [in, out].
     The confidence head (`confidence_kernel` [in, 1], `confidence_bias` [1]) exists only when the config
     enables it; it is loaded and kept but not used in drafting (adaptive verification is not built).
     """
@@ -159,23 +89,10 @@ def shared_head(model) -> SharedHead:
 
 
 def init_draft_pages(cfg: DSparkConfig, num_pages: int, page_size: int, dtype, scale: float = 1.0) -> MLAPages:
-    """Zeroed draft pages: pages [L, num_pages, page_size, cache_width] in dtype, scale [L] float32."""
+    """Zeroed draft pages: pages [L, num_pages, page_size, mla_cache_width] in dtype, scale [L] float32."""
     layers = cfg.num_hidden_layers
-    return MLAPages(jnp.zeros((layers, num_pages, page_size, cfg.cache_width), dtype),
+    return MLAPages(jnp.zeros((layers, num_pages, page_size, cfg.mla_cache_width), dtype),
                     jnp.full((layers,), scale, jnp.float32))
-
-
-def _slots(page_table, positions, page_size, write):
-    """(page id, row in page) of positions [N, T]; where `write` is False, the null page."""
-    max_pages = page_table.shape[1]
-    ids = jnp.take_along_axis(page_table, jnp.minimum(positions // page_size, max_pages - 1), axis=1)
-    return jnp.where(write, ids, 0), positions % page_size
-
-
-def _write(flat, scale, page_ids, rows, values):
-    """Stores values [N, T, C] (true values) into the flat pool at (page_ids, rows)."""
-    stored = (values.astype(jnp.float32) / scale).astype(flat.dtype)
-    return flat.at[page_ids, rows].set(stored)
 
 
 def inject_context(draft: DSparkDraft, pages: MLAPages, taps, valid, offsets, page_table) -> MLAPages:
@@ -188,10 +105,11 @@ def inject_context(draft: DSparkDraft, pages: MLAPages, taps, valid, offsets, pa
     num_layers, num_pages, page_size, width = pages.pages.shape
     positions = offsets[:, None] + jnp.arange(taps.shape[1], dtype=jnp.int32)[None, :]
     c = draft.context_norm(draft.context_proj(taps.astype(draft.dtype)))
-    page_ids, rows = _slots(page_table, positions, page_size, valid)
+    page_ids, rows = page_slots(page_table, positions, page_size, valid)
     flat = pages.pages.reshape(num_layers * num_pages, page_size, width)
     for l, layer in enumerate(draft.layers):
-        flat = _write(flat, pages.scale[l], page_ids + l * num_pages, rows, layer.self_attn.kv_rows(c, positions))
+        layer_pages = MLAPages(flat, pages.scale[l])
+        flat = layer_pages.write(page_ids + l * num_pages, rows, layer.self_attn.cache_rows(c, positions)).pages
     return pages._replace(pages=flat.reshape(pages.pages.shape))
 
 
@@ -212,14 +130,16 @@ def propose(draft: DSparkDraft, pages: MLAPages, bonus, positions, page_table, h
     block_positions = positions[:, None] + offsets[None, :]
     tokens = jnp.where(offsets[None, :] == 0, bonus[:, None], cfg.mask_token_id)
     x = jnp.take(head.embed, tokens, axis=0).astype(draft.dtype)
-    page_ids, rows = _slots(page_table, block_positions, page_size, True)
+    page_ids, rows = page_slots(page_table, block_positions, page_size, True)
     flat = pages.pages.reshape(num_layers * num_pages, page_size, width)
     kv_length = positions + k
     for l, layer in enumerate(draft.layers):
         h = layer.input_layernorm(x)
-        flat = _write(flat, pages.scale[l], page_ids + l * num_pages, rows, layer.self_attn.kv_rows(h, block_positions))
-        x = x + layer.self_attn.attend(h, block_positions, flat, pages.scale[l], page_table + l * num_pages, kv_length)
+        layer_pages = MLAPages(flat, pages.scale[l])
+        layer_pages = layer_pages.write(page_ids + l * num_pages, rows, layer.self_attn.cache_rows(h, block_positions))
+        x = x + layer.self_attn.attend_block(h, block_positions, layer_pages, page_table + l * num_pages, kv_length)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
+        flat = layer_pages.pages
     base = head.logits(draft.final_norm(x))
     drafts, draft_logits = markov_sample(base, bonus, draft.markov_w1[...], draft.markov_w2[...], cfg.logit_scale,
                                          temperature, keys, greedy_only=greedy_only)

@@ -1,7 +1,8 @@
 """Gated Multi-head Latent Attention (ARCHITECTURE.md, "Gated MLA"): NoPE by default, sigmoid output gate.
 
 Prefill uses the naive form (keys and values expanded per head from the latent); one-token decode
-uses the absorbed form straight over the latent cache of [normalised latent | shared key] rows.
+uses the absorbed form straight over the latent cache of [normalised latent | shared key] rows. The
+DSpark draft's attention is this layer too (RoPE, no gate), with `attend_block` for its block of rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.layers.common import Linear, RMSNorm
 from pallas_kernels import mla as mla_ops
+
+FOLD_ROWS = 128  # query rows (block rows x heads) per paged attention call in `attend_block`
 
 
 class MLACache(NamedTuple):
@@ -59,6 +62,8 @@ class MLAPages(NamedTuple):
 
 
 class MultiHeadLatentAttention(nnx.Module):
+    """cfg: a K3Config, or the DSpark draft's DSparkConfig (which has the same MLA fields)."""
+
     def __init__(self, cfg: K3Config, *, dtype, rngs):
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.cfg = cfg
@@ -88,27 +93,17 @@ class MultiHeadLatentAttention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         offsets = batch.offsets
-        heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
-        q = q.reshape(b, t, heads, cfg.qk_head_dim)
-        kv = self.kv_a_proj_with_mqa(x)
-        latent, k_rope = kv[..., :cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
-        latent = self.kv_a_layernorm(latent)
-        q_nope, q_rope = q[..., :nope], q[..., nope:]
         positions = offsets[:, None] + jnp.arange(t)[None, :]
-        if not cfg.mla_use_nope:
-            q_rope = rope_interleaved(q_rope, positions[:, :, None], cfg.rope_theta)
-            k_rope = rope_interleaved(k_rope, positions, cfg.rope_theta)
-        new_rows = jnp.concatenate([latent, k_rope], axis=-1)  # [B, T, C]
+        q_nope, q_rope = self.queries(x, positions)
+        new_rows = self.cache_rows(x, positions)  # [B, T, C]
         scale = cfg.qk_head_dim ** -0.5
 
         if cache is None:
             o = self._naive(q_nope, q_rope, new_rows, jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32), scale)
         else:
             if isinstance(cache, MLAPages):
-                page_size, max_pages = cache.pages.shape[1], batch.page_table.shape[1]
-                page_ids = jnp.take_along_axis(batch.page_table, jnp.minimum(positions // page_size, max_pages - 1), 1)
-                cache = cache.write(jnp.where(batch.valid, page_ids, 0), positions % page_size, new_rows)
+                cache = cache.write(*page_slots(batch.page_table, positions, cache.pages.shape[1], batch.valid),
+                                    new_rows)
                 pages = cache
 
                 def attend(q_full):  # decode reads the pages in place, through the page table
@@ -128,10 +123,59 @@ class MultiHeadLatentAttention(nnx.Module):
             else:  # a prefill chunk after cached tokens: the naive form over the whole context
                 rows = cache.gather(batch.page_table, x.dtype) if isinstance(cache, MLAPages) else cache.latent
                 o = self._naive(q_nope, q_rope, rows, offsets, offsets + t, scale)
-        o = o.reshape(b, t, heads * cfg.v_head_dim)
-        if cfg.mla_use_output_gate:
+        return self._output(x, o), cache
+
+    def queries(self, x, positions):
+        """x [B, T, H] at positions [B, T] -> (q_nope [B, T, heads, nope], q_rope [B, T, heads, rope])."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q = q.reshape(b, t, cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+        if not cfg.mla_use_nope:
+            q_rope = rope_interleaved(q_rope, positions[:, :, None], cfg.rope_theta)
+        return q_nope, q_rope
+
+    def cache_rows(self, x, positions):
+        """x [B, T, H] at positions [B, T] -> its cache rows [B, T, C]: [normalised latent | shared key]."""
+        cfg = self.cfg
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_rope = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank]), kv[..., cfg.kv_lora_rank:]
+        if not cfg.mla_use_nope:
+            k_rope = rope_interleaved(k_rope, positions, cfg.rope_theta)
+        return jnp.concatenate([latent, k_rope], axis=-1)
+
+    def attend_block(self, x, positions, pages: MLAPages, page_table, kv_length):
+        """x [B, T, H] at positions [B, T] as one non-causal block (the DSpark draft's): every row attends
+        to the same keys, the first kv_length[b] rows of the paged pool (the block's own rows written).
+
+        Absorbed form. Since the keys are shared, groups of rows fold into the head axis of one paged
+        decode call, at most FOLD_ROWS query rows per call (the kernel pads them to a power of two and
+        holds them at once); further groups repeat the row's page table as extra batch rows.
+        """
+        cfg = self.cfg
+        b, t, _ = x.shape
+        heads = cfg.num_attention_heads
+        per_group = max(1, min(t, FOLD_ROWS // heads))
+        groups = -(-t // per_group)
+
+        def attend(q_full):  # [B, T, heads, C] -> [B, T, heads, kv_lora_rank]
+            q = jnp.pad(q_full, ((0, 0), (0, groups * per_group - t), (0, 0), (0, 0)))
+            out = mla_ops.paged_decode_attention(q.reshape(b * groups, per_group * heads, q.shape[-1]), pages.pages,
+                                                 jnp.repeat(page_table, groups, axis=0),
+                                                 jnp.repeat(kv_length, groups), scale=cfg.qk_head_dim ** -0.5,
+                                                 value_width=cfg.kv_lora_rank, kv_scale=pages.scale)
+            return out.reshape(b, groups * per_group, heads, cfg.kv_lora_rank)[:, :t]
+
+        return self._output(x, self._absorbed(*self.queries(x, positions), attend))
+
+    def _output(self, x, o):
+        """The heads' values o [B, T, heads, v] -> [B, T, H]: the output gate (if any), then o_proj."""
+        b, t, _ = x.shape
+        o = o.reshape(b, t, -1)
+        if self.cfg.mla_use_output_gate:
             o = (o * jax.nn.sigmoid(self.g_proj(x))).astype(x.dtype)
-        return self.o_proj(o), cache
+        return self.o_proj(o)
 
     def _up_weights(self):
         """kv_b_proj split per head: W_UK [C_lat, heads, nope] and W_UV [C_lat, heads, v]."""
@@ -155,14 +199,22 @@ class MultiHeadLatentAttention(nnx.Module):
         return mla_ops.causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale)
 
     def _absorbed(self, q_nope, q_rope, attend):
-        """q_nope [B, heads, nope], q_rope [B, heads, rope] -> [B, heads, v]: the query mapped into the
-        latent space, `attend` (latent queries -> attention-weighted latent rows), then W_UV."""
+        """q_nope [..., heads, nope], q_rope [..., heads, rope] -> [..., heads, v]: the query mapped into
+        the latent space, `attend` (latent queries -> attention-weighted latent rows), then W_UV."""
         w_uk, w_uv = self._up_weights()
-        q_latent = jnp.einsum("bhn,chn->bhc", q_nope, w_uk.astype(q_nope.dtype),
+        q_latent = jnp.einsum("...hn,chn->...hc", q_nope, w_uk.astype(q_nope.dtype),
                               preferred_element_type=jnp.float32).astype(q_nope.dtype)
         out_latent = attend(jnp.concatenate([q_latent, q_rope], axis=-1))
-        return jnp.einsum("bhc,chv->bhv", out_latent, w_uv.astype(out_latent.dtype),
+        return jnp.einsum("...hc,chv->...hv", out_latent, w_uv.astype(out_latent.dtype),
                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
+
+
+def page_slots(page_table, positions, page_size: int, valid):
+    """(page id, row in page) [B, T] of positions [B, T] through page_table [B, max_pages]; where `valid`
+    is False, the null page 0 (padding must not write into a page another sequence may share)."""
+    max_pages = page_table.shape[1]
+    page_ids = jnp.take_along_axis(page_table, jnp.minimum(positions // page_size, max_pages - 1), axis=1)
+    return jnp.where(valid, page_ids, 0), positions % page_size
 
 
 def rope_interleaved(x, positions, theta: float):

@@ -23,10 +23,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.decoder import TapSpec
+from k3jax.dspark.loading import load_draft
+from k3jax.dspark.model import init_draft_pages, inject_context, propose, shared_head
 from k3jax.model import Structure
 from serve import multihost
-from serve.dspark.draft import init_draft_pages, inject_context, propose, shared_head
-from serve.dspark.loading import load_draft
 from serve.dspark.rejection import draft_keys
 from serve.sampling import SamplingBatch
 
@@ -65,7 +65,7 @@ class ScriptedSpeculator:
 
 
 class DSparkSpeculator:
-    """The DSpark draft (serve.dspark.draft) beside the target: its own MLA pages, addressed by the
+    """The DSpark draft (k3jax.dspark.model) beside the target: its own MLA pages, addressed by the
     target's page table (a draft row for position t lives in the same page id as the target's), so
     the cache manager allocates, shares (prefix cache) and frees both together."""
 
@@ -94,7 +94,7 @@ class DSparkSpeculator:
                    kv_cache_dtype=kv_cache_dtype)
 
     def page_bytes(self, page_size: int) -> int:
-        return self.cfg.num_hidden_layers * page_size * self.cfg.cache_width * jnp.dtype(self.kv_cache_dtype).itemsize
+        return self.cfg.num_hidden_layers * page_size * self.cfg.mla_cache_width * jnp.dtype(self.kv_cache_dtype).itemsize
 
     def bind(self, runner, engine_seed: int) -> None:
         self.page_table_width = runner.page_table_width

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from k3jax.config import ConfigError, K3Config
-from k3jax.dspark_config import DSparkConfig
+from k3jax.dspark.config import DSparkConfig
 from k3jax.presets import DRAFT_PRESETS, DRAFT_TARGETS
 
 
@@ -22,7 +22,7 @@ def test_preset_reads_every_key():
     assert cfg.context_width == cfg.num_target_layers * d["target_hidden_size"]
     assert cfg.block_size == d["block_size"]
     assert cfg.mask_token_id == d["dflash_config"]["mask_token_id"]
-    assert cfg.cache_width == d["kv_lora_rank"] + d["qk_rope_head_dim"]
+    assert cfg.mla_cache_width == d["kv_lora_rank"] + d["qk_rope_head_dim"]
     assert cfg.qk_head_dim == d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     assert cfg.target_hidden_tap == "residual_sum"
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",

@@ -1,5 +1,5 @@
 """The paged DSpark draft (inject_context in chunks, then propose) against the contiguous NumPy
-reference in tests/serve/dspark/reference.py; the Markov head against a Python loop; probabilistic
+reference in tests/k3jax/dspark/reference.py; the Markov head against a Python loop; probabilistic
 drafting against softmax(draft_logits / T)."""
 
 import dataclasses
@@ -11,10 +11,12 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from k3jax.dspark_config import DSparkConfig
+from k3jax.dspark import model as dd
+from k3jax.dspark.config import DSparkConfig
+from k3jax.dspark.markov import markov_sample
+from k3jax.layers import mla
 from k3jax.presets import DRAFT_PRESETS
-from serve.dspark import draft as dd
-from tests.serve.dspark import reference as ref
+from tests.k3jax.dspark import reference as ref
 
 PAGE_SIZE, NUM_PAGES, CHUNK = 4, 40, 6
 
@@ -78,12 +80,12 @@ def greedy_args(n):
             "greedy_only": True}
 
 
-@pytest.mark.parametrize("num_tokens, fold_rows", [(None, dd.FOLD_ROWS), (3, dd.FOLD_ROWS), (None, 16)])
+@pytest.mark.parametrize("num_tokens, fold_rows", [(None, mla.FOLD_ROWS), (3, mla.FOLD_ROWS), (None, 16)])
 def test_paged_draft_matches_contiguous_reference(cfg, setup, num_tokens, fold_rows, monkeypatch, request):
     """Rows of different lengths injected in chunks over a random page assignment, with a padding row;
     num_tokens shortens the block (a reference with that block size); a small fold_rows splits the
     block's rows over several attention calls."""
-    monkeypatch.setattr(dd, "FOLD_ROWS", fold_rows)
+    monkeypatch.setattr(mla, "FOLD_ROWS", fold_rows)
     jax.clear_caches()  # FOLD_ROWS is read at trace time; traces with another value must not be reused
     request.addfinalizer(jax.clear_caches)
     draft, head = setup
@@ -144,7 +146,7 @@ def test_markov_greedy_equals_python_loop():
     base = rng.standard_normal((n, k, v)).astype(np.float32)
     w1, w2 = rng.standard_normal((v, r)).astype(np.float32), rng.standard_normal((v, r)).astype(np.float32)
     bonus = rng.integers(0, v, n).astype(np.int32)
-    drafts, logits = dd.markov_sample(jnp.asarray(base), jnp.asarray(bonus), jnp.asarray(w1), jnp.asarray(w2), 0.5,
+    drafts, logits = markov_sample(jnp.asarray(base), jnp.asarray(bonus), jnp.asarray(w1), jnp.asarray(w2), 0.5,
                                       jnp.zeros((n,), jnp.float32), jax.random.split(jax.random.key(0), n),
                                       greedy_only=True)
     for i in range(n):
@@ -164,7 +166,7 @@ def test_probabilistic_drafts_follow_draft_logits():
     w1, w2 = rng.standard_normal((v, r)).astype(np.float32), rng.standard_normal((v, r)).astype(np.float32)
     bonus = np.full(n, 2, np.int32)
     keys = jax.random.split(jax.random.key(7), n)
-    sample = jax.jit(dd.markov_sample, static_argnames="greedy_only")
+    sample = jax.jit(markov_sample, static_argnames="greedy_only")
     args = (jnp.asarray(base), jnp.asarray(bonus), jnp.asarray(w1), jnp.asarray(w2), 1.0)
     drafts, logits = sample(*args, jnp.full((n,), temp, jnp.float32), keys, greedy_only=False)
     drafts, logits = np.asarray(drafts), np.asarray(logits)

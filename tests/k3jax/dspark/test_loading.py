@@ -15,10 +15,10 @@ from safetensors.numpy import load_file, save_file
 from convert import synth
 from convert.reader import CheckpointError
 from k3jax.config import ConfigError, K3Config
-from k3jax.dspark_config import DSparkConfig
+from k3jax.dspark import model as dd
+from k3jax.dspark.config import DSparkConfig
+from k3jax.dspark.loading import load_draft
 from k3jax.presets import DRAFT_PRESETS
-from serve.dspark import draft as dd
-from serve.dspark.loading import load_draft
 from sharding.mesh import make_mesh
 
 TARGET = K3Config.from_preset("k3-tiny")

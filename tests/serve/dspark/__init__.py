@@ -1,2 +1,2 @@
-"""Tests of DSpark speculative decoding: the draft against NumPy references, loading, rejection
-sampling, and speculative engines and servers against plain ones."""
+"""Tests of DSpark speculative decoding on the serving side: rejection sampling, and speculative engines
+and servers against plain ones (the draft model's own tests are tests/k3jax/dspark/)."""

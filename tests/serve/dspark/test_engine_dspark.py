@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from convert import synth
-from serve.dspark import draft as dd
+from k3jax.dspark import model as dd
 from serve.engine import Engine, EngineOptions
 from serve.sampling import SamplingParams
 from tests import agreement
