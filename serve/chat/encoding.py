@@ -10,14 +10,17 @@ one `message` element followed by `<|end_of_msg|>`:
     <|close|>message<|sep|><|end_of_msg|>
 
 The prompt ends with the assistant message opened and the first channel opened: `think` in
-thinking mode, `response` in instant mode. Tool declarations, the thinking effort and a forced
-tool choice are internal system messages (`role="system" type="..."`).
+thinking mode, `response` in instant mode. Tool declarations, the thinking effort (in thinking
+mode always: `max` when the request names none, the encoder's default), a forced tool choice and a
+JSON response format are internal system messages (`role="system" type="..."`); the first two come
+before the conversation, the last two after it.
 
 The per-role framing and the texts of the internal messages are those of the checkpoint's encoder
 (`encoding_k3.py`, not readable here; taken from a vLLM copy derived from it). A prompt
-is rendered as pieces, each a special token or a run of ordinary text, and each text piece is
-tokenized on its own, as that encoder does: user text is never scanned for special tokens, so
-`<|open|>` typed by a user stays text.
+is rendered as pieces, each a special token or a segment of ordinary text, and each text segment is
+tokenized on its own, as that encoder does, so BPE never merges across two segments: a tag's name
+is one segment and an attribute four (` key`, `="`, the escaped value, `"`), and user text is one,
+never scanned for special tokens, so `<|open|>` typed by a user stays text.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ THINKING_EFFORT = ("`thinking_effort` guides on how much to think in your thinki
                    "the response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
                    "Now the system is invoked with `thinking_effort={}`.")
 TOOL_CHOICE = "The system is invoked with `tool_choice={}`.\nYou MUST {} in the next message."
+RESPONSE_FORMAT = ("The system is invoked with `response_format={}`.\nYour response must be raw JSON data without "
+                   "markdown code blocks (```json) or any additional formatting.")
+RESPONSE_SCHEMA = "\nThe JSON data must match the following schema:\n```json\n{}\n```"
+DEFAULT_THINKING_EFFORT = "max"  # what the checkpoint's encoder renders when the request names none
 
 
 @dataclass(frozen=True)
@@ -54,17 +61,14 @@ class Piece:
     special: bool = False
 
 
-def encode_messages(messages: list[dict], *, tools: list[dict] | None = None, thinking: bool = True,
-                    add_generation_prompt: bool = True, thinking_effort: str | None = None,
-                    tool_choice: Any = None) -> str:
-    """The prompt as text (special tokens written out). Raises ValueError naming the bad field."""
-    return "".join(piece.text for piece in render_messages(
-        messages, tools=tools, thinking=thinking, add_generation_prompt=add_generation_prompt,
-        thinking_effort=thinking_effort, tool_choice=tool_choice))
+def encode_messages(messages: list[dict], **options) -> str:
+    """The prompt as text (special tokens written out); `options` are those of `render_messages`.
+    Raises ValueError naming the bad field."""
+    return "".join(piece.text for piece in render_messages(messages, **options))
 
 
 def tokenize_messages(tokenizer: Tokenizer, messages: list[dict], **options) -> list[int]:
-    """The prompt as token ids; `options` are those of `encode_messages`."""
+    """The prompt as token ids, each text segment tokenized alone; `options` are those of `render_messages`."""
     ids = []
     for piece in render_messages(messages, **options):
         ids += [tokenizer.token_id(piece.text)] if piece.special else tokenizer.encode(piece.text)
@@ -73,10 +77,12 @@ def tokenize_messages(tokenizer: Tokenizer, messages: list[dict], **options) -> 
 
 def render_messages(messages: list[dict], *, tools: list[dict] | None = None, thinking: bool = True,
                     add_generation_prompt: bool = True, thinking_effort: str | None = None,
-                    tool_choice: Any = None) -> list[Piece]:
+                    tool_choice: Any = None, response_format: dict | None = None) -> list[Piece]:
     """The prompt as pieces. `tools` are OpenAI tool definitions; `thinking_effort` is one of
-    THINKING_EFFORTS (rendered in thinking mode only); `tool_choice` "required" or "none" is stated
-    to the model (other choices render nothing)."""
+    THINKING_EFFORTS (rendered in thinking mode only, DEFAULT_THINKING_EFFORT when None);
+    `tool_choice` "required" or "none" is stated to the model (other choices render nothing);
+    `response_format` is OpenAI's request field: `{"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"schema": ...}}` is stated to the model, `{"type": "text"}` renders nothing."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list")
     if thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
@@ -84,8 +90,8 @@ def render_messages(messages: list[dict], *, tools: list[dict] | None = None, th
     pieces = []
     if tools:
         pieces += _system_note("tool-declare", TOOL_DECLARATION.format(_tool_json(tools, "tools")))
-    if thinking and thinking_effort:
-        pieces += _system_note("thinking-effort", THINKING_EFFORT.format(thinking_effort))
+    if thinking:
+        pieces += _system_note("thinking-effort", THINKING_EFFORT.format(thinking_effort or DEFAULT_THINKING_EFFORT))
     for position, message in _with_tool_results_matched(messages):
         role = message["role"]
         field = f"messages[{position}]"
@@ -95,21 +101,21 @@ def render_messages(messages: list[dict], *, tools: list[dict] | None = None, th
             pieces += _system_note("tool-declare", EXTRA_TOOL_DECLARATION.format(tool_json))
             if not message.get("content"):
                 continue
-        if role == "assistant":
-            body = _assistant_body(message, thinking, field)
-            pieces += _element("message", [("role", "assistant")], body) + [Piece(END_OF_MESSAGE, True)]
-            continue
         if role == "tool":
             attrs = [("role", "tool"), ("tool", message["tool"]), ("index", message["index"])]
         else:
-            attrs = [("role", "user" if role == "user" else "system")]  # developer is system
+            attrs = [("role", role if role in ("user", "assistant") else "system")]  # developer is system
             if message.get("name"):
                 attrs.append(("name", message["name"]))
-        body = _content_pieces(message.get("content"), f"{field}.content")
+        if role == "assistant":
+            body = _assistant_body(message, thinking, field)
+        else:
+            body = _content_pieces(message.get("content"), f"{field}.content")
         pieces += _element("message", attrs, body) + [Piece(END_OF_MESSAGE, True)]
     if tool_choice in ("required", "none"):
         must = "call tools" if tool_choice == "required" else "NOT call any tools"
         pieces += _system_note("tool-choice", TOOL_CHOICE.format(tool_choice, must))
+    pieces += _response_format_note(response_format)
     if add_generation_prompt:
         pieces += _open_tag("message", [("role", "assistant")]) + _open_tag("think" if thinking else "response")
     return pieces
@@ -259,6 +265,30 @@ def _tool_json(tools: Any, field: str) -> str:
     return json.dumps(_sorted_keys(tools), ensure_ascii=False, separators=(",", ":"))
 
 
+def _response_format_note(response_format: Any) -> list[Piece]:
+    """The `response-format` system message of a JSON response format; the schema is compact JSON
+    with keys sorted, like tool definitions."""
+    if response_format is None:
+        return []
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return _system_note("response-format", RESPONSE_FORMAT.format(kind))
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema")
+    json_schema = response_format.get("json_schema")
+    if not isinstance(json_schema, dict):
+        raise ValueError("response_format.json_schema: a json_schema response format needs a json_schema object")
+    schema = json_schema.get("schema")  # optional in OpenAI's API: without it only the JSON rule is stated
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError("response_format.json_schema.schema: must be a JSON schema object")
+    text = RESPONSE_FORMAT.format(kind)
+    if schema is not None:
+        text += RESPONSE_SCHEMA.format(json.dumps(_sorted_keys(schema), ensure_ascii=False, separators=(",", ":")))
+    return _system_note("response-format", text)
+
+
 def _sorted_keys(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _sorted_keys(value[key]) for key in sorted(value)}
@@ -276,10 +306,13 @@ def _element(name: str, attrs: list[tuple[str, Any]], body: list[Piece]) -> list
 
 
 def _open_tag(name: str, attrs: list[tuple[str, Any]] = ()) -> list[Piece]:
-    # One text piece per attribute, as the checkpoint's encoder tokenizes them.
-    return [Piece(OPEN, True), Piece(name), *(_attribute(key, value) for key, value in attrs), Piece(SEP, True)]
+    return [Piece(OPEN, True), Piece(name), *(segment for key, value in attrs for segment in _attribute(key, value)),
+            Piece(SEP, True)]
 
 
-def _attribute(key: str, value: Any) -> Piece:
+def _attribute(key: str, value: Any) -> list[Piece]:
+    """Four segments, as the checkpoint's encoder tokenizes an attribute: with a real vocabulary,
+    ` key="v"` tokenized whole can merge across them (`="` with a value's leading punctuation, say)
+    and give other ids than the model was trained on."""
     escaped = str(value).replace("&", "&amp;").replace('"', "&quot;")  # `&` first, or `&quot;` is escaped twice
-    return Piece(f' {key}="{escaped}"')
+    return [Piece(f" {key}"), Piece('="'), *([Piece(escaped)] if escaped else []), Piece('"')]

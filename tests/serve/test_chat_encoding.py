@@ -13,6 +13,17 @@ USER_HI = '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_m
 THINKING_PROMPT = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
 INSTANT_PROMPT = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
 
+
+def effort_note(effort):
+    return ('<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to '
+            'think in your thinking channel (not including the response channel), supported values include `low`, '
+            f'`medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort={effort}`.'
+            '<|close|>message<|sep|><|end_of_msg|>')
+
+
+# K3's encoder renders the effort in every thinking-mode prompt, `max` when the request names none.
+EFFORT_MAX = effort_note("max")
+
 # Spec 5.3: E1 (thinking), E3 (thinking, one call) and E4 (instant, two calls), as generated.
 E1 = ("The user wants 2+2.<|close|>think<|sep|><|open|>response<|sep|>4<|close|>response<|sep|>"
       "<|close|>message<|sep|>")
@@ -35,26 +46,33 @@ def hi(**options):
 
 
 def test_generation_prompt_opens_the_first_channel():
-    assert hi() == USER_HI + THINKING_PROMPT
+    assert hi() == EFFORT_MAX + USER_HI + THINKING_PROMPT
     assert hi(thinking=False) == USER_HI + INSTANT_PROMPT
-    assert hi(add_generation_prompt=False) == USER_HI
+    assert hi(add_generation_prompt=False) == EFFORT_MAX + USER_HI
+    assert hi(thinking=False, add_generation_prompt=False) == USER_HI
 
 
 def test_system_developer_and_names():
     prompt = encode_messages([{"role": "system", "content": "Be brief."},
                               {"role": "developer", "content": "No emoji."},
-                              {"role": "user", "content": "hi", "name": 'Ann "A" & co'}], add_generation_prompt=False)
-    assert prompt == ('<|open|>message role="system"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|>'
+                              {"role": "user", "content": "hi", "name": 'Ann "A" & co'},
+                              {"role": "assistant", "content": "Hello.", "name": "Bo"}],
+                             add_generation_prompt=False)
+    assert prompt == EFFORT_MAX + ('<|open|>message role="system"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|>'
                       '<|open|>message role="system"<|sep|>No emoji.<|close|>message<|sep|><|end_of_msg|>'
                       '<|open|>message role="user" name="Ann &quot;A&quot; &amp; co"<|sep|>hi'
-                      '<|close|>message<|sep|><|end_of_msg|>')
+                      '<|close|>message<|sep|><|end_of_msg|>'
+                      '<|open|>message role="assistant" name="Bo"<|sep|><|open|>think<|sep|><|close|>think<|sep|>'
+                      '<|open|>response<|sep|>Hello.'
+                      '<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>')
 
 
 def assistant_history(message, thinking=True):
     prompt = encode_messages([{"role": "user", "content": "hi"}, message], thinking=thinking,
                              add_generation_prompt=False)
-    assert prompt.startswith(USER_HI)
-    return prompt[len(USER_HI):]
+    before = (EFFORT_MAX if thinking else "") + USER_HI
+    assert prompt.startswith(before)
+    return prompt[len(before):]
 
 
 def test_assistant_history_is_what_the_model_generated():
@@ -121,10 +139,11 @@ def test_tool_declarations_and_choice():
                    'described in JSONSchema.\n\n```json\n[{"function":{"name":"get_weather","parameters":{"properties":'
                    '{"city":{"type":"string"}},"required":["city"],"type":"object"}},"type":"function"}]\n```'
                    '<|close|>message<|sep|><|end_of_msg|>')
-    assert hi(tools=[WEATHER_TOOL]) == hi(tools=[reordered]) == declaration + USER_HI + THINKING_PROMPT
+    assert hi(tools=[WEATHER_TOOL]) == hi(tools=[reordered]) == declaration + EFFORT_MAX + USER_HI + THINKING_PROMPT
     required = ('<|open|>message role="system" type="tool-choice"<|sep|>The system is invoked with '
                 '`tool_choice=required`.\nYou MUST call tools in the next message.<|close|>message<|sep|><|end_of_msg|>')
-    assert hi(tools=[WEATHER_TOOL], tool_choice="required") == declaration + USER_HI + required + THINKING_PROMPT
+    assert hi(tools=[WEATHER_TOOL], tool_choice="required") == (declaration + EFFORT_MAX + USER_HI + required
+                                                                 + THINKING_PROMPT)
     assert "You MUST NOT call any tools in the next message." in hi(tool_choice="none")
     assert hi(tool_choice="auto") == hi()
 
@@ -136,12 +155,34 @@ def test_thinking_effort():
               '<|close|>message<|sep|><|end_of_msg|>')
     assert hi(thinking_effort="low") == effort + USER_HI + THINKING_PROMPT
     assert hi(thinking_effort="low", thinking=False) == USER_HI + INSTANT_PROMPT
+    assert hi() == hi(thinking_effort="max") == effort.replace("=low", "=max") + USER_HI + THINKING_PROMPT
+
+
+JSON_OBJECT = ('<|open|>message role="system" type="response-format"<|sep|>The system is invoked with '
+               '`response_format=json_object`.\nYour response must be raw JSON data without markdown code blocks '
+               '(```json) or any additional formatting.<|close|>message<|sep|><|end_of_msg|>')
+
+
+def test_response_format_follows_the_conversation_and_the_tool_choice():
+    assert hi(response_format={"type": "json_object"}) == EFFORT_MAX + USER_HI + JSON_OBJECT + THINKING_PROMPT
+    assert hi(response_format={"type": "text"}) == hi()
+    schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "number"}}}
+    json_schema = JSON_OBJECT.replace("=json_object", "=json_schema").replace(
+        "formatting.", 'formatting.\nThe JSON data must match the following schema:\n```json\n'
+        '{"properties":{"a":{"type":"number"},"b":{"type":"string"}},"type":"object"}\n```')
+    prompt = hi(thinking=False, tools=[WEATHER_TOOL], tool_choice="required",
+                response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema}})
+    choice = prompt.index('type="tool-choice"')
+    assert prompt[choice:].endswith("<|end_of_msg|>" + json_schema + INSTANT_PROMPT)
+    assert prompt.index(USER_HI) < choice
+    without_schema = hi(response_format={"type": "json_schema", "json_schema": {"name": "out"}})
+    assert JSON_OBJECT.replace("=json_object", "=json_schema") in without_schema
 
 
 def test_images_are_one_placeholder_each():
     content = [{"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": "data:,"}},
                {"type": "image_url", "image_url": {"url": "data:,"}}]
-    assert encode_messages([{"role": "user", "content": content}], add_generation_prompt=False) == (
+    assert encode_messages([{"role": "user", "content": content}], add_generation_prompt=False) == EFFORT_MAX + (
         '<|open|>message role="user"<|sep|>Compare <|kimi_image_placeholder|><|kimi_image_placeholder|>'
         '<|close|>message<|sep|><|end_of_msg|>')
 
@@ -167,6 +208,11 @@ def test_images_are_one_placeholder_each():
     ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function", "function": {}}]},
      r"^tools\[0\]\.function\.name"),
     ([{"role": "user", "content": "hi"}], {"thinking_effort": "medium"}, r"^thinking_effort: 'medium'"),
+    ([{"role": "user", "content": "hi"}], {"response_format": {"type": "xml"}}, r"^response_format\.type: 'xml'"),
+    ([{"role": "user", "content": "hi"}], {"response_format": {"type": "json_schema"}},
+     r"^response_format\.json_schema: "),
+    ([{"role": "user", "content": "hi"}], {"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     r"^response_format\.json_schema\.schema: "),
 ])
 def test_bad_requests_name_the_field(messages, options, field):
     with pytest.raises(ValueError, match=field):
@@ -187,4 +233,27 @@ def test_token_ids_keep_user_text_out_of_the_markup(tokenizer):
     assert tokenizer.decode(ids) == encode_messages(messages)
     specials = [i for i in ids if i in tokenizer.special_ids]
     open_, close, sep, end = (tokenizer.token_id(t) for t in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))
-    assert specials == [open_, sep, close, sep, end, open_, sep, open_, sep]
+    effort_note_specials = [open_, sep, close, sep, end]
+    assert specials == effort_note_specials + [open_, sep, close, sep, end, open_, sep, open_, sep]
+
+
+def test_each_text_segment_is_tokenized_alone():
+    """A vocabulary whose merges cross segment boundaries: `="` with a value's leading punctuation,
+    a value's trailing punctuation with the closing quote. The prompt's ids are still those of each
+    segment tokenized alone, as the checkpoint's encoder makes them."""
+    ranks = {bytes([b]): b for b in range(256)} | {b'="': 256, b'="-': 257, b'."': 258}
+    specials = {token: 300 + i for i, token in enumerate(("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))}
+    bpe = Tokenizer(ranks, specials)
+    assert bpe.encode(' name="Ann."') != bpe.encode(" name") + bpe.encode('="') + bpe.encode("Ann.") + bpe.encode('"')
+    assert bpe.encode('="-Bo"') != bpe.encode('="') + bpe.encode("-Bo") + bpe.encode('"')
+    open_, close, sep, end = specials
+    segments = [open_, "message", " role", '="', "user", '"', " name", '="', "Ann.", '"', sep, "hi.",
+                close, "message", sep, end,
+                open_, "message", " role", '="', "assistant", '"', " name", '="', "-Bo", '"', sep,
+                open_, "response", sep, "ok.", close, "response", sep, close, "message", sep, end,
+                open_, "message", " role", '="', "assistant", '"', sep, open_, "response", sep]
+    expected = [i for segment in segments
+                for i in ([specials[segment]] if segment in specials else bpe.encode(segment))]
+    messages = [{"role": "user", "content": "hi.", "name": "Ann."},
+                {"role": "assistant", "content": "ok.", "name": "-Bo"}]
+    assert tokenize_messages(bpe, messages, thinking=False) == expected
