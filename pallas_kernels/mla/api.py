@@ -7,6 +7,10 @@ tests). Pallas needs: prefill, Dqk a multiple of 16 (split into power-of-2 piece
 and Dv a power of 2 >= 16; decode, C a multiple of 16 whose largest power-of-2 piece is value_width
 (576 = 512 + 64) and page_size a power of 2 >= 16 (K3: 64). pallas_kernels.dispatch says how "auto"
 chooses and how a Pallas call runs per shard under a mesh.
+
+`**tuning`: keyword arguments of the Pallas kernel that runs (block sizes, warps, stages: see the
+functions of the same name in pallas_triton.py, which hold the defaults); the other implementations
+take none and ignore them, so a caller may pass them whatever impl "auto" picks.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pallas_kernels.mla import pallas_triton, reference, xla
 _FP8 = (jnp.float8_e4m3fn,)
 
 
-def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto"):
+def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto", **tuning):
     """Naive-form (prefill) MLA attention.
 
     q [B, T, H, Dqk] are the queries of positions q_offset[b] + t; k [B, S, H, Dqk] and
@@ -36,7 +40,7 @@ def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto")
     if impl == "pallas":
         def kernel(q, k, v, q_offset, kv_length, scale):
             return pallas_triton.causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale,
-                                                  interpret=not dispatch.on_gpu())
+                                                  interpret=not dispatch.on_gpu(), **tuning)
         heads = ("rows", None, "heads", None)
         return dispatch.per_shard(kernel, (q, k, v, q_offset, kv_length, scale),
                                   (heads, heads, heads, ("rows",), ("rows",), None), heads)
@@ -44,7 +48,7 @@ def causal_attention(q, k, v, *, q_offset, kv_length, scale, impl: str = "auto")
 
 
 def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q: int | None = None,
-                            impl: str = "auto"):
+                            impl: str = "auto", **tuning):
     """Packed variable-length prefill, flash-attn's varlen convention.
 
     q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; cu_seqlens_q, cu_seqlens_k int32 [N + 1] offsets
@@ -66,7 +70,7 @@ def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale, max_s
         def kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
             return pallas_triton.varlen_causal_attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                                          scale=scale, max_seqlen_q=max_seqlen_q,
-                                                         interpret=not dispatch.on_gpu())
+                                                         interpret=not dispatch.on_gpu(), **tuning)
         heads = (None, "heads", None)  # packed rows: split over heads only
         return dispatch.per_shard(kernel, (q, k, v, cu_seqlens_q, cu_seqlens_k, scale),
                                   (heads, heads, heads, None, None, None), heads)
@@ -74,7 +78,7 @@ def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale, max_s
 
 
 def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, value_width: int = 512,
-                           kv_scale=None, impl: str = "auto"):
+                           kv_scale=None, impl: str = "auto", **tuning):
     """Absorbed-form (decode) MLA attention over a page pool.
 
     q_latent [B, H, C]: per head, the query mapped into latent space joined with the shared-key
@@ -97,12 +101,12 @@ def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, val
     impl = dispatch.resolve(impl, _decode_fits(pages.shape[1], pages.shape[2], value_width),
                             f"pages {pages.shape}, value_width {value_width}")
     if impl == "pallas":
-        return _paged_decode_per_shard(q_latent, pages, page_table, kv_length, scale, value_width, kv_scale)
+        return _paged_decode_per_shard(q_latent, pages, page_table, kv_length, scale, value_width, kv_scale, tuning)
     return _module(impl).paged_decode_attention(q_latent, pages, page_table, kv_length, scale=scale,
                                                 value_width=value_width, kv_scale=kv_scale)
 
 
-def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: int, impl: str = "auto"):
+def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: int, impl: str = "auto", **tuning):
     """Absorbed-form (decode) MLA attention over a contiguous latent cache.
 
     q_latent [B, H, C]: per head, the query mapped into latent space (W_UK^T q_nope) joined with the
@@ -120,7 +124,8 @@ def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: i
         cache = jnp.pad(cache, ((0, 0), (0, -s % page), (0, 0)))
         pages_per_row = cache.shape[1] // page
         table = jnp.arange(b * pages_per_row, dtype=jnp.int32).reshape(b, pages_per_row)
-        return _paged_decode_per_shard(q_latent, cache.reshape(-1, page, c), table, kv_length, scale, value_width)
+        return _paged_decode_per_shard(q_latent, cache.reshape(-1, page, c), table, kv_length, scale, value_width,
+                                       None, tuning)
     return _module(impl).latent_decode_attention(q_latent, cache, kv_length=kv_length, scale=scale,
                                                  value_width=value_width)
 
@@ -136,13 +141,13 @@ def _decode_fits(page_size: int, width: int, value_width: int) -> bool:
             and page_size >= pallas_triton.MIN_DOT and page_size & (page_size - 1) == 0)
 
 
-def _paged_decode_per_shard(q_latent, pages, page_table, kv_length, scale, value_width, kv_scale=None):
+def _paged_decode_per_shard(q_latent, pages, page_table, kv_length, scale, value_width, kv_scale, tuning):
     """The Pallas paged decode, each device on its heads and rows. The table holds global page ids,
     so every device gets the whole pool (replicated, or gathered if the caller split it)."""
     def kernel(q_latent, pages, page_table, kv_length, scale, kv_scale):
         return pallas_triton.paged_decode_attention(q_latent, pages, page_table, kv_length, scale=scale,
                                                     value_width=value_width, kv_scale=kv_scale,
-                                                    interpret=not dispatch.on_gpu())
+                                                    interpret=not dispatch.on_gpu(), **tuning)
     heads = ("rows", "heads", None)
     return dispatch.per_shard(kernel, (q_latent, pages, page_table, kv_length, scale, kv_scale),
                               (heads, None, ("rows", None), ("rows",), None, None), heads)

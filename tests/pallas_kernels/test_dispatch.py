@@ -114,13 +114,14 @@ def test_kda_decode_per_shard(mesh, return_states):
         test_kda_decode.assert_same_step(got, want)
 
 
-def test_mla_prefill_per_shard(mesh, small_blocks):
+def test_mla_prefill_per_shard(mesh):
     mlak = test_mla_kernels
     q, k, v = mlak.padded_inputs(jnp.float32, b=4)
     offsets, lengths = jnp.asarray([16, 0, -5, 3]), jnp.asarray([53, 37, 20, 40])
 
     def run(q, k, v, offsets, lengths):
-        return mla.causal_attention(q, k, v, q_offset=offsets, kv_length=lengths, scale=0.2, impl="pallas")
+        return mla.causal_attention(q, k, v, q_offset=offsets, kv_length=lengths, scale=0.2, impl="pallas",
+                                    **mlak.SMALL_BLOCKS)
 
     rows_heads = P("data", None, "model", None)
     got = _under_mesh(mesh, run, q, k, v, offsets, lengths, shardings=[rows_heads] * 3 + [P("data")] * 2)
@@ -129,21 +130,24 @@ def test_mla_prefill_per_shard(mesh, small_blocks):
 
     q, k, v, cu_q, cu_k = mlak.packed_inputs(jnp.float32, mlak.Q_LENS, mlak.K_LENS)
     kw = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "scale": 0.2}
-    got = _under_mesh(mesh, lambda q, k, v: mla.varlen_causal_attention(q, k, v, impl="pallas", **kw), q, k, v,
-                      shardings=[P(None, "model", None)] * 3)
+
+    def run_packed(q, k, v):
+        return mla.varlen_causal_attention(q, k, v, impl="pallas", **mlak.SMALL_BLOCKS, **kw)
+
+    got = _under_mesh(mesh, run_packed, q, k, v, shardings=[P(None, "model", None)] * 3)
     mlak.assert_mix_close(got, mlak.reference.varlen_causal_attention(q, k, v, **kw), v, jnp.float32)
 
 
-def test_mla_paged_decode_per_shard(mesh, monkeypatch):
+def test_mla_paged_decode_per_shard(mesh):
     mlak = test_mla_kernels
-    monkeypatch.setattr(mlak.pallas_triton, "PAGES_PER_SPLIT", 2)
     kv_scale = jnp.float32(0.25)
     q, pages, table, lengths, _ = mlak.paged_inputs(16, [1, 32, 45, 80], heads=4, pages_dtype=jnp.float8_e4m3fn,
                                                     kv_scale=0.25)
     kw = {"scale": 0.1, "value_width": 64}
 
     def run(q, pages, table, lengths, kv_scale):
-        return mla.paged_decode_attention(q, pages, table, lengths, kv_scale=kv_scale, impl="pallas", **kw)
+        return mla.paged_decode_attention(q, pages, table, lengths, kv_scale=kv_scale, impl="pallas",
+                                          **mlak.SMALL_SPLITS, **kw)
 
     got = _under_mesh(mesh, run, q, pages, table, lengths, kv_scale,
                       shardings=[P("data", "model", None), P(), P("data", None), P("data"), P()])

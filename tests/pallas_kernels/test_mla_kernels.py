@@ -20,6 +20,10 @@ from tests.pallas_kernels.gpu_lowering import lower_for_gpu, triton_call_count
 # most 2**-9 max|v| in the mix) and the output to bf16 (2**-9 |out|): 2**-7 allows twice both.
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2.0 ** -7}
 E4M3_REL, E4M3_ABS = 2.0 ** -4, 2.0 ** -10  # e4m3 rounding: 3 mantissa bits; subnormal spacing 2**-9
+# 16-row query and key blocks, so that small shapes span several blocks with ragged ends.
+SMALL_BLOCKS = {"block_q": 16, "block_k": 16}
+# Two pages per split, so a 5-page table spans three splits, one of them partly empty.
+SMALL_SPLITS = {"min_pages_per_split": 2}
 
 
 def assert_mix_close(got, want, v, dtype):
@@ -53,13 +57,13 @@ PADDED_CASES = {"q_offset": [16, 0, -5], "kv_length": [53, 37, 20]}
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_padded_prefill_matches_reference(dtype, impl, small_blocks):
+def test_padded_prefill_matches_reference(dtype, impl):
     q, k, v = padded_inputs(dtype)
     kw = {"q_offset": jnp.asarray(PADDED_CASES["q_offset"]), "kv_length": jnp.asarray(PADDED_CASES["kv_length"]),
           "scale": 0.2}
     want = reference.causal_attention(q, k, v, **kw)
     got = (xla.causal_attention(q, k, v, kv_block=16, **kw) if impl == "xla"
-           else mla.causal_attention(q, k, v, impl="pallas", **kw))
+           else mla.causal_attention(q, k, v, impl="pallas", **SMALL_BLOCKS, **kw))
     assert got.dtype == q.dtype and got.shape == want.shape
     assert_mix_close(got, want, v, dtype)
     assert not np.asarray(got[2, :5], np.float32).any()  # queries that see no key give zeros
@@ -90,14 +94,14 @@ Q_LENS, K_LENS = [20, 32, 1, 0, 1], [37, 32, 1, 5, 41]
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", ["xla", "pallas", "pallas_max_seqlen"])
-def test_packed_prefill_matches_reference(dtype, impl, small_blocks):
+def test_packed_prefill_matches_reference(dtype, impl):
     q, k, v, cu_q, cu_k = packed_inputs(dtype, Q_LENS, K_LENS)
     kw = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "scale": 0.2}
     want = reference.varlen_causal_attention(q, k, v, **kw)
     if impl == "xla":
         got = xla.varlen_causal_attention(q, k, v, kv_block=16, **kw)
     else:
-        got = mla.varlen_causal_attention(q, k, v, impl="pallas", **kw,
+        got = mla.varlen_causal_attention(q, k, v, impl="pallas", **SMALL_BLOCKS, **kw,
                                           max_seqlen_q=max(Q_LENS) if impl == "pallas_max_seqlen" else None)
     assert got.dtype == q.dtype and got.shape == want.shape
     assert_mix_close(got, want, v, dtype)
@@ -152,30 +156,27 @@ LENGTHS_16 = [0, 1, 32, 45, 80]
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_paged_decode_bf16_matches_reference(impl, page_size, monkeypatch):
-    # Two pages per split, so the 5-page table spans three splits, one of them partly empty.
-    monkeypatch.setattr(pallas_triton, "PAGES_PER_SPLIT", 2)
+def test_paged_decode_bf16_matches_reference(impl, page_size):
     lengths = [n * page_size // 16 for n in LENGTHS_16]
     q, pages, table, lengths, _ = paged_inputs(page_size, lengths)
     kw = {"scale": 0.1, "value_width": 64}
     want = reference.paged_decode_attention(q, pages, table, lengths, **kw)
     got = (xla.paged_decode_attention(q, pages, table, lengths, kv_block=32, **kw) if impl == "xla"
-           else mla.paged_decode_attention(q, pages, table, lengths, impl="pallas", **kw))
+           else mla.paged_decode_attention(q, pages, table, lengths, impl="pallas", **SMALL_SPLITS, **kw))
     assert got.dtype == q.dtype and got.shape == (5, 3, 64)
     assert_mix_close(got, want, pages[1:, :, :64].astype(jnp.float32), jnp.bfloat16)
     assert not np.asarray(got[0], np.float32).any()  # length 0 gives zeros
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_paged_decode_fp8_matches_reference(impl, monkeypatch):
+def test_paged_decode_fp8_matches_reference(impl):
     """The same stored fp8 values on both sides: e4m3 is exact in bf16 and fp32, so the bf16 bound holds."""
-    monkeypatch.setattr(pallas_triton, "PAGES_PER_SPLIT", 2)
     kv_scale = 0.25
     q, pages, table, lengths, _ = paged_inputs(16, LENGTHS_16, pages_dtype=jnp.float8_e4m3fn, kv_scale=kv_scale)
     kw = {"scale": 0.1, "value_width": 64, "kv_scale": jnp.float32(kv_scale)}
     want = reference.paged_decode_attention(q, pages, table, lengths, **kw)
     fn = functools.partial(xla.paged_decode_attention, kv_block=32) if impl == "xla" else functools.partial(
-        mla.paged_decode_attention, impl="pallas")
+        mla.paged_decode_attention, impl="pallas", **SMALL_SPLITS)
     got = fn(q, pages, table, lengths, **kw)
     assert_mix_close(got, want, pages[1:, :, :64].astype(jnp.float32) * kv_scale, jnp.bfloat16)
 
