@@ -15,6 +15,9 @@
   "reference" or "pallas" (the Pallas-Triton kernels, pallas_triton.py; off a GPU they run in
   interpret mode, which is slow and only for tests). Pallas needs K and V powers of 2 of at least 16.
   pallas_kernels.dispatch says how "auto" chooses and how the kernels run per shard under a mesh.
+- `**tuning`: keyword arguments of the Pallas kernel (chunk size, tile sizes, warps, stages: see
+  pallas_triton.chunk_kda and fused_recurrent_kda, which hold the defaults); the other
+  implementations take none and ignore them.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from pallas_kernels import dispatch
 from pallas_kernels.kda import pallas_triton, reference, xla
 
 
-def _jit(fn, *switches):
+def _jit(fn):
     """Jitted here so that eager callers (tests, notebooks) compile each shape once; under an outer
-    jit it is inlined. Only switches are static: scale stays a traced scalar."""
-    return jax.jit(fn, static_argnames=("l2norm", *switches))
+    jit it is inlined. Only the switch is static: scale stays a traced scalar. (The Pallas functions
+    are jitted where they are defined, with their tuning knobs static.)"""
+    return jax.jit(fn, static_argnames=("l2norm",))
 
 
 _RECURRENT = _jit(reference.recurrent_kda)
@@ -38,24 +42,24 @@ _RECURRENT = _jit(reference.recurrent_kda)
 _IMPLS = {
     "reference": (_RECURRENT, _RECURRENT),
     "xla": (_jit(xla.chunk_kda), _RECURRENT),
-    "pallas": (_jit(pallas_triton.chunk_kda, "interpret"), _jit(pallas_triton.fused_recurrent_kda, "interpret")),
+    "pallas": (pallas_triton.chunk_kda, pallas_triton.fused_recurrent_kda),
 }
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm_in_kernel=False, impl="auto"):
+              use_qk_l2norm_in_kernel=False, impl="auto", **tuning):
     """Chunked parallel form, for prefill. Returns (o [B, T, H, V], final_state [N, H, K, V] or None)."""
     impl = _resolve(impl, q, v)
     return _call(_IMPLS[impl][0], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel)
+                 use_qk_l2norm_in_kernel, tuning)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, impl="auto"):
+                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, impl="auto", **tuning):
     """Token-by-token form, for decode (T small). Same contract as chunk_kda."""
     impl = _resolve(impl, q, v)
     return _call(_IMPLS[impl][1], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel)
+                 use_qk_l2norm_in_kernel, tuning)
 
 
 def _resolve(impl, q, v):
@@ -63,7 +67,7 @@ def _resolve(impl, q, v):
     return dispatch.resolve(impl, fits, f"q {jnp.shape(q)}, v {jnp.shape(v)}: K and V must be powers of 2 >= 16")
 
 
-def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm):
+def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm, tuning):
     q, k, v, g, beta = map(jnp.asarray, (q, k, v, g, beta))
     cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
     num_states = _check(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -82,7 +86,7 @@ def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, 
     args = (q, k, v, g, beta, dk ** -0.5 if scale is None else scale, jnp.asarray(initial_state, jnp.float32),
             cu_seqlens)
     if impl == "pallas":
-        o, final_state = _pallas_per_shard(fn, args, l2norm)
+        o, final_state = _pallas_per_shard(fn, args, l2norm, tuning)
     else:
         o, final_state = fn(*args[:5], scale=args[5], initial_state=args[6], cu_seqlens=cu_seqlens, l2norm=l2norm)
     if repack:
@@ -90,11 +94,11 @@ def _call(fn, impl, q, k, v, g, beta, scale, initial_state, output_final_state, 
     return o.astype(v.dtype), final_state if output_final_state else None
 
 
-def _pallas_per_shard(fn, args, l2norm):
+def _pallas_per_shard(fn, args, l2norm, tuning):
     """The Pallas kernels on packed sequences, each device on its heads (pallas_kernels.dispatch)."""
     def kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens):
         return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, l2norm=l2norm,
-                  interpret=not dispatch.on_gpu())
+                  interpret=not dispatch.on_gpu(), **tuning)
     tokens, state = (None, None, "heads", None), (None, "heads", None, None)
     roles = (tokens, tokens, tokens, tokens, (None, None, "heads"), None, state, None)
     return dispatch.per_shard(kernel, args, roles, (tokens, state))

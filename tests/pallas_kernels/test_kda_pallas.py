@@ -58,6 +58,21 @@ def test_packed_sequences_with_initial_states(fn, impl):
         assert_close(s[n], ref_s, FP32_REL)  # the empty sequence keeps its initial state
 
 
+@pytest.mark.parametrize(("fn", "tuning"), [(chunk_kda, {"chunk_size": 32, "block_v": 16}),
+                                             (fused_recurrent_kda, {"block_v": 16})], ids=PALLAS_IDS)
+def test_tuning_knobs_change_the_tiling_not_the_result(fn, tuning):
+    """Through the API: 32-token chunks (two 16-row state steps each) and 16-column state tiles."""
+    cu, s0, (q, k, v, g, beta) = packed(LENGTHS, seed=4)
+    o, s = fn(*f32(q, k, v, g, beta), initial_state=f32(s0)[0], cu_seqlens=jnp.asarray(cu),
+              output_final_state=True, impl="pallas", **tuning)
+    for n in range(len(LENGTHS)):
+        part = slice(cu[n], cu[n + 1])
+        ref_o, ref_s = numpy_kda(q[0, part], k[0, part], v[0, part], g[0, part], beta[0, part], K ** -0.5, s0[n])
+        if LENGTHS[n]:
+            assert_close(o[0, part], ref_o, FP32_REL)
+        assert_close(s[n], ref_s, FP32_REL)
+
+
 @pytest.mark.parametrize(("fn", "impl"), PALLAS, ids=PALLAS_IDS)
 def test_batch_rows_without_initial_state(fn, impl):
     q, k, v, g, beta = make_inputs((2, T), seed=0)
