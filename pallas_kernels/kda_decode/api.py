@@ -36,7 +36,9 @@ states are held until acceptance is known: N * T * H * D * D * 4 bytes per layer
 
 impl: "auto" (Pallas on a GPU when D suits Triton, XLA otherwise), "xla", "reference" or "pallas"
 (the Pallas-Triton kernel; off a GPU it runs in interpret mode, slow, for tests). Under a mesh the
-kernel runs per shard, each device on its heads (pallas_kernels.dispatch).
+kernel runs per shard, each device on its heads (pallas_kernels.dispatch). `**tuning`: keyword
+arguments of the Pallas kernel (pallas_triton.kda_decode's tile width, warps, stages, which hold the
+defaults); the other implementations take none and ignore them.
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ _STATIC = ("gate_lower_bound", "return_states")
 _IMPLS = {
     "reference": jax.jit(reference.kda_decode, static_argnames=_STATIC),
     "xla": jax.jit(xla.kda_decode, static_argnames=_STATIC),
-    "pallas": jax.jit(pallas_triton.kda_decode, static_argnames=(*_STATIC, "interpret")),
+    "pallas": pallas_triton.kda_decode,  # jitted where it is defined, its tuning knobs static too
 }
 
 
 def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, A_log, beta_logits, state_pool, slots, *,
-               gate_lower_bound=None, return_states=False, impl="auto"):
+               gate_lower_bound=None, return_states=False, impl="auto", **tuning):
     """Returns (o, conv_pool, state_pool), or (o, states) with return_states=True (module docstring)."""
     args = tuple(map(jnp.asarray, (qkv, conv_weight, conv_pool, f, dt_bias, A_log, beta_logits, state_pool, slots)))
     _check(*args)
@@ -68,7 +70,7 @@ def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, A_log, beta_logits, stat
 
     def kernel(*args):
         return _IMPLS["pallas"](*args, gate_lower_bound=gate_lower_bound, return_states=return_states,
-                                interpret=not dispatch.on_gpu())
+                                interpret=not dispatch.on_gpu(), **tuning)
     # Each device on its heads (the channel axis P is head-major). Rows stay whole: the pools are
     # written, and a device's copy must hold every row's update.
     qkv, conv, per_token, state = ((None, None, None, "heads"), (None, None, "heads"), (None, None, "heads"),

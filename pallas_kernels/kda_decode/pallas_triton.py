@@ -2,7 +2,7 @@
 
 One program per (row, head), grid (N, H). It reads the row's slot, computes the head's q and k
 for the T tokens once (conv window + SiLU, L2 norm), the gate and beta, then walks the head's state
-in [K, BV] column tiles: load the tile, run the T tokens on it (their v columns convolved there),
+in [K, block_v] column tiles: load the tile, run the T tokens on it (their v columns convolved there),
 store the outputs and the tile. The conv window and the state are written back in place (the pools
 are aliased to the outputs), the window's v columns by the tile that owns them.
 
@@ -14,6 +14,10 @@ memory-bound step.
 
 The products are elementwise multiplies and sums in fp32 (matrix-vector products: no tensor-core
 shape to fill), so the kernel is exact fp32 like the reference.
+
+The tile width, warps and stages are keyword arguments of `kda_decode`. The kernel indexes whole
+arrays (no BlockSpecs): each ref is annotated with the array it holds and the part a program reads
+or writes.
 """
 
 from __future__ import annotations
@@ -27,15 +31,27 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda_decode.reference import L2_NORM_EPS, SOFTPLUS_LINEAR_ABOVE
 
-TILE_COLUMNS = 32  # BV: state columns held at a time ([128, 32] fp32 is 32 registers a thread at 4 warps)
-
 
 def _l2_normalize(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x) + L2_NORM_EPS)
 
 
-def _kernel(slots_ref, a_log_ref, qkv_ref, conv_weight_ref, conv_pool_ref, f_ref, dt_bias_ref, beta_ref,
-            state_pool_ref, o_ref, *out_refs, gate_lower_bound, return_states, tile):
+def _kernel(
+    slots_ref,        # [N] int32
+    a_log_ref,        # [H] fp32, one value per program
+    qkv_ref,          # [N, T, 3, P], read as [D] or [block_v] rows of the row's tokens
+    conv_weight_ref,  # [W, 3, P] fp32, likewise
+    conv_pool_ref,    # [S, W-1, 3, P], the slot's window read likewise
+    f_ref,            # [N, T, P] fp32, read as [D] rows
+    dt_bias_ref,      # [P] fp32, read as one [D] row
+    beta_ref,         # [N, T, H], one value per token
+    state_pool_ref,   # [S, H, D, D] fp32, the slot's state read as [D, block_v] tiles
+    o_ref,            # [N, T, H, D], written as one [block_v] row per token and tile
+    *out_refs,        # conv_pool and state_pool (aliased to the inputs), or states [N, T, H, D, D] fp32
+    gate_lower_bound: float | None,
+    return_states: bool,
+    block_v: int,
+):
     """Pool inputs are read, aliased pool outputs written (the same buffers on a GPU)."""
     row, head = pl.program_id(0), pl.program_id(1)
     num_tokens, d = o_ref.shape[1], o_ref.shape[3]
@@ -77,11 +93,11 @@ def _kernel(slots_ref, a_log_ref, qkv_ref, conv_weight_ref, conv_pool_ref, f_ref
         decay.append(jnp.exp(g)[:, None])
         beta.append(jax.nn.sigmoid(beta_ref[row, i, head].astype(jnp.float32)))
 
-    for start in range(0, d, tile):
-        columns = pl.ds(start, tile)
-        v, v_window = conv_silu(2, pl.ds(head * d + start, tile))
-        store_window(2, pl.ds(head * d + start, tile), v_window)
-        state = state_pool_ref[slot, head, :, columns]
+    for start in range(0, d, block_v):
+        columns = pl.ds(start, block_v)
+        v, v_window = conv_silu(2, pl.ds(head * d + start, block_v))
+        store_window(2, pl.ds(head * d + start, block_v), v_window)
+        state = state_pool_ref[slot, head, :, columns]  # [D, block_v]
         for i in range(num_tokens):
             state = decay[i] * state
             error = v[i] - jnp.sum(k[i][:, None] * state, axis=0)
@@ -93,9 +109,14 @@ def _kernel(slots_ref, a_log_ref, qkv_ref, conv_weight_ref, conv_pool_ref, f_ref
             out_refs[1][slot, head, :, columns] = state
 
 
+@functools.partial(jax.jit, static_argnames=("gate_lower_bound", "return_states", "block_v", "num_warps",
+                                             "num_stages", "interpret"))
 def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, state_pool, slots, *,
-               gate_lower_bound, return_states, interpret=False):
-    """Arguments and results as api.kda_decode; the head size a power of 2 of at least 16."""
+               gate_lower_bound, return_states, block_v: int = 32, num_warps: int = 4, num_stages: int = 1,
+               interpret: bool = False):
+    """Arguments and results as api.kda_decode; the head size a power of 2 of at least 16. block_v:
+    the state columns held at a time, a power of 2 (at most D): [128, 32] fp32 is 32 registers a
+    thread at four warps."""
     n, t = qkv.shape[:2]
     h, d = state_pool.shape[1], state_pool.shape[2]
     o = jax.ShapeDtypeStruct((n, t, h, d), qkv.dtype)
@@ -108,11 +129,11 @@ def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, stat
         aliases = {4: 1, 8: 2}
     return pl.pallas_call(
         functools.partial(_kernel, gate_lower_bound=gate_lower_bound, return_states=return_states,
-                          tile=min(TILE_COLUMNS, d)),
+                          block_v=min(block_v, d)),
         grid=(n, h),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_decode",
     )(slots, a_log, qkv, conv_weight, conv_pool, f, dt_bias, beta_logits, state_pool)

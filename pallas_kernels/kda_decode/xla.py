@@ -23,15 +23,15 @@ def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, stat
     taps = window.astype(jnp.float32)
     u = sum(taps[:, j:j + t] * conv_weight[j] for j in range(width))
     u = jax.nn.silu(u).astype(qkv.dtype).astype(jnp.float32).reshape(n, t, 3, h, d)
-    q, k, v = l2_normalize(u[:, :, 0]) * d ** -0.5, l2_normalize(u[:, :, 1]), u[:, :, 2]
-    decay = jnp.exp(log_decay(f.reshape(n, t, h, d), dt_bias.reshape(h, d), a_log, gate_lower_bound))
-    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
+    q, k, v = l2_normalize(u[:, :, 0]) * d ** -0.5, l2_normalize(u[:, :, 1]), u[:, :, 2]  # [N, T, H, D] each
+    decay = jnp.exp(log_decay(f.reshape(n, t, h, d), dt_bias.reshape(h, d), a_log, gate_lower_bound))  # [N, T, H, K]
+    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))  # [N, T, H]
 
     state = state_pool[slots]  # [N, H, K, V]
     outputs, states = [], []
     for i in range(t):
         state = state * decay[:, i, :, :, None]
-        error = v[:, i] - jnp.sum(state * k[:, i, :, :, None], axis=2)
+        error = v[:, i] - jnp.sum(state * k[:, i, :, :, None], axis=2)  # [N, H, V]
         state = state + k[:, i, :, :, None] * (beta[:, i, :, None] * error)[:, :, None, :]
         outputs.append(jnp.sum(state * q[:, i, :, :, None], axis=2))
         states.append(state)
