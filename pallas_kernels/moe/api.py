@@ -6,7 +6,9 @@ fp32 on weights decoded to the activation dtype; the activation runs in fp32 and
 activation dtype before the down projection (ARCHITECTURE.md, "MoE and LatentMoE").
 
 impl: "auto" (Pallas on GPU, XLA elsewhere), "pallas" (the Pallas-Triton kernels; interpreted off
-a GPU), "xla", "reference".
+a GPU), "xla", "reference". `**tuning`: keyword arguments of the Pallas kernels (column block, warps,
+stages: pallas_triton.expert_ffn, which holds the defaults); the other implementations take none
+and ignore them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pallas_kernels import dispatch
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import pallas_triton, reference, xla
 
-def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto"):
+def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto",
+               **tuning):
     """Grouped gated FFN over rows already sorted by expert.
 
     x_sorted [M, D] (bf16 or f32); group_sizes int32 [E]: the rows of expert e are contiguous, in
@@ -32,10 +35,12 @@ def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: Gated
                          "one size per expert")
     if x_sorted.shape[0] == 0:  # static; the implementations assume at least one row
         return jnp.zeros_like(x_sorted)
-    return _implementation(impl, "expert_ffn")(x_sorted, group_sizes, w_gate, w_up, w_down, activation=activation)
+    return _implementation(impl, "expert_ffn", tuning)(x_sorted, group_sizes, w_gate, w_up, w_down,
+                                                       activation=activation)
 
 
-def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto"):
+def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto",
+            **tuning):
     """Routed experts of tokens x [T, D] with topk_ids int32 [T, k] (in [0, E)) and topk_weights [T, k]:
     out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]), each expert output in x's dtype and
     the weighted sum in fp32. Returns float32 [T, D]; the caller applies the latent norm or casts.
@@ -48,15 +53,16 @@ def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: Gate
         raise ValueError(f"topk_ids must be integer expert ids, got {topk_ids.dtype}")
     if x.shape[0] == 0 or topk_ids.shape[1] == 0:  # static; the implementations assume some rows
         return jnp.zeros(x.shape, jnp.float32)
-    return _implementation(impl, "moe_ffn")(x, topk_ids, topk_weights, w_gate, w_up, w_down, activation=activation)
+    return _implementation(impl, "moe_ffn", tuning)(x, topk_ids, topk_weights, w_gate, w_up, w_down,
+                                                    activation=activation)
 
 
-def _implementation(impl: str, op: str):
+def _implementation(impl: str, op: str, tuning: dict):
     """Under a mesh the routed experts already run inside sharding.expert_parallel's shard_map, so
     the kernel needs no wrapping of its own."""
     impl = dispatch.resolve(impl, True, "")
     if impl == "pallas":
-        return functools.partial(getattr(pallas_triton, op), interpret=not dispatch.on_gpu())
+        return functools.partial(getattr(pallas_triton, op), interpret=not dispatch.on_gpu(), **tuning)
     return getattr({"xla": xla, "reference": reference}[impl], op)
 
 

@@ -13,6 +13,12 @@ tile runs its dot at the smallest power-of-two height (16 or more) that fits its
 
 A weight tile is either MXFP4 (packed codes + E8M0 scales, decoded to the activation dtype right
 before the dot) or a plain array (Kimi Linear), cast the same way. Dots accumulate in fp32.
+
+The column block, warps and stages are keyword arguments of the public functions; row tiles and
+reduction steps follow from the shapes (`_row_tile`, `_block_k`). The kernel indexes whole arrays
+(no BlockSpecs): each ref is annotated with the array it holds and the tiles a program reads or
+writes. Names carry the weight's dimensions where both orientations meet: E experts, N output
+columns, K the reduction (D for gate/up, F for down).
 """
 
 from __future__ import annotations
@@ -28,11 +34,26 @@ from pallas_kernels.moe.mxfp4 import Mxfp4Tensor
 from pallas_kernels.mxfp4_format import GROUP
 
 _CONTRACT_LAST = (((1,), (1,)), ((), ()))  # [rows, k] . [n, k] -> [rows, n]
-BLOCK_N = 64  # output columns per program: many programs for the weight-bound decode tiles
 
 
-def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, interpret: bool = False):
-    """See `pallas_kernels.moe.api.expert_ffn`. Needs D and F to be multiples of 32."""
+def expert_ffn(
+    x_sorted,     # [M, D], rows sorted by expert
+    group_sizes,  # [E] int32
+    w_gate,       # [E, F, D]
+    w_up,         # [E, F, D]
+    w_down,       # [E, D, F]
+    *,
+    activation,
+    block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int = 3,
+    interpret: bool = False,
+):
+    """See `pallas_kernels.moe.api.expert_ffn`. Needs D and F to be multiples of 32.
+
+    block_n: output columns per program, at most (the largest power of 2 dividing the width and no
+    more than block_n): small, for many programs on the weight-bound decode tiles. num_warps: None
+    for 4 on row tiles of up to 32 rows and 8 on taller ones, whose fp32 accumulators need them."""
     if x_sorted.dtype not in (jnp.bfloat16, jnp.float32):  # the MXFP4 decode writes their exponent fields
         raise ValueError(f"x must be bf16 or f32 for the Pallas kernels, got {x_sorted.dtype}")
     m, d = x_sorted.shape
@@ -43,20 +64,21 @@ def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, inter
                              f"(w_gate {tuple(w_gate.shape)})")
     block_m = _row_tile(m, num_experts)
     plan = _tile_plan(group_sizes.astype(jnp.int32), m, block_m)
-    hidden = _grouped_matmul(x_sorted, plan, (w_gate, w_up), block_m=block_m, activation=activation,
-                             interpret=interpret)
-    return _grouped_matmul(hidden, plan, (w_down,), block_m=block_m, activation=None, interpret=interpret)
+    options = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+               "interpret": interpret}
+    hidden_MF = _grouped_matmul(x_sorted, plan, (w_gate, w_up), activation=activation, **options)
+    return _grouped_matmul(hidden_MF, plan, (w_down,), activation=None, **options)
 
 
-def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, interpret: bool = False):
+def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation, **options):
     """See `pallas_kernels.moe.api.moe_ffn`: sorts the (token, slot) pairs by expert, runs
-    `expert_ffn` and sums each token's weighted expert outputs in fp32."""
+    `expert_ffn` (`options`: its keyword arguments) and sums each token's weighted expert outputs in
+    fp32."""
     t, k = topk_ids.shape
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(ids, stable=True)
     group_sizes = jnp.bincount(ids, length=w_gate.shape[0])
-    y_sorted = expert_ffn(x[order // k], group_sizes, w_gate, w_up, w_down, activation=activation,
-                          interpret=interpret)
+    y_sorted = expert_ffn(x[order // k], group_sizes, w_gate, w_up, w_down, activation=activation, **options)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
     return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y.astype(jnp.float32), axis=1)
 
@@ -100,26 +122,42 @@ def _largest_pow2_divisor(size: int, cap: int) -> int:
     return min(cap, size & -size)
 
 
-def _grouped_matmul(x, plan, weights, *, block_m, activation, interpret):
-    """act(x W_0^T, x W_1^T) for two weights (gate, up), x W_0^T for one (down); [m, n] in x's dtype."""
-    m, k = x.shape
+def _grouped_matmul(x_MK, plan, weights, *, block_m, activation, block_n, num_warps, num_stages, interpret):
+    """act(x W_0^T, x W_1^T) for two weights [E, N, K] (gate, up), x W_0^T for one (down); [M, N] in
+    x's dtype."""
+    m, _ = x_MK.shape
     num_experts, n, _ = weights[0].shape
-    block_n = _largest_pow2_divisor(n, BLOCK_N)
+    block_n = _largest_pow2_divisor(n, block_n)
     quantized = isinstance(weights[0], Mxfp4Tensor)
     leaves = [leaf for w in weights for leaf in (w if quantized else (w,))]
     kernel = functools.partial(_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
                                refs_per_weight=2 if quantized else 1, activation=activation)
+    if num_warps is None:
+        num_warps = 4 if block_m <= 32 else 8
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n), x_MK.dtype),
         grid=(plan[0].shape[0], n // block_n),
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4 if block_m <= 32 else 8, num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="moe_gate_up" if len(weights) == 2 else "moe_down",
-    )(*plan, x, *leaves)
+    )(*plan, x_MK, *leaves)
 
 
-def _kernel(group_ref, first_ref, end_ref, x_ref, *refs, num_experts, block_m, block_n, refs_per_weight, activation):
+def _kernel(
+    group_ref,  # [tiles] int32: a row tile's expert (E: the padding rows)
+    first_ref,  # [tiles] int32: its first row
+    end_ref,    # [tiles] int32: one past its last row
+    x_ref,      # [M, K], read as [height, block_k] tiles
+    *refs,      # per weight [E, N, K] (plain), or packed uint8 [E, N, K/2] and scales uint8 [E, N, K/32]
+                # (MXFP4), read as one expert's [block_n, block_k] tiles; then out [M, N], written as
+                # one [height, block_n] tile
+    num_experts: int,
+    block_m: int,
+    block_n: int,
+    refs_per_weight: int,
+    activation,
+):
     """One (row tile, column block); all grid axes are independent.
 
     A tile holds up to block_m rows but runs the dot at the smallest power-of-two height (16 or
@@ -151,12 +189,12 @@ def _tile_matmul(x_ref, weights, out_ref, group, first, end, cols, height, activ
     rows = pl.ds(first, height)
 
     def step(i, accs):
-        x = plgpu.load(x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_mask, other=0)
+        x = plgpu.load(x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_mask, other=0)  # [height, block_k]
         return tuple(acc + jax.lax.dot_general(x, _weight_tile(w, group, cols, i, block_k, x.dtype), _CONTRACT_LAST,
                                                preferred_element_type=jnp.float32)
                      for acc, w in zip(accs, weights))
 
-    zeros = jnp.zeros((height, cols.size), jnp.float32)
+    zeros = jnp.zeros((height, cols.size), jnp.float32)  # one [height, block_n] accumulator per weight
     accs = jax.lax.fori_loop(0, k // block_k, step, (zeros,) * len(weights))
     out = activation(*accs) if activation is not None else accs[0]
     plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=_row_mask(first, end, height, cols.size))
@@ -168,12 +206,12 @@ def _row_mask(first, end, height: int, width: int):
 
 
 def _weight_tile(refs, expert, cols, step, block_k, dtype):
-    """The [block_n, block_k] tile of one expert's [out, in] weight, in `dtype`."""
+    """The [block_n, block_k] tile of one expert's [E, N, K] weight, in `dtype`."""
     if len(refs) == 1:  # plain weights
         return refs[0][expert, cols, pl.ds(step * block_k, block_k)].astype(dtype)
     packed_ref, scales_ref = refs
-    packed = packed_ref[expert, cols, pl.ds(step * (block_k // 2), block_k // 2)]
-    scales = scales_ref[expert, cols, pl.ds(step * (block_k // GROUP), block_k // GROUP)]
+    packed = packed_ref[expert, cols, pl.ds(step * (block_k // 2), block_k // 2)]  # [block_n, block_k / 2]
+    scales = scales_ref[expert, cols, pl.ds(step * (block_k // GROUP), block_k // GROUP)]  # [block_n, block_k / 32]
     return _decode_mxfp4(packed, scales, dtype)
 
 

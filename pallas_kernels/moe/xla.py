@@ -63,7 +63,7 @@ def _ragged_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
         active = jnp.minimum(active, num_experts - 1)
         w_gate, w_up, w_down = (_take(w, active) for w in (w_gate, w_up, w_down))
 
-    def matmul(lhs, w):  # ragged_dot wants the rhs as [groups, in, out]
+    def matmul(lhs, w):  # w [groups, out, in]; ragged_dot wants the rhs as [groups, in, out]
         rhs = jnp.swapaxes(_dense(w, x.dtype), 1, 2)
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
@@ -84,8 +84,8 @@ def _tile_rows(m: int, num_experts: int) -> int:
     return min(m, max(8, min(512, 1 << (mean - 1).bit_length())))
 
 
-def _loop_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
-    m, num_experts = x.shape[0], group_sizes.shape[0]
+def _loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
+    m, num_experts = x_MD.shape[0], group_sizes.shape[0]
     tile = _tile_rows(m, num_experts)
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
@@ -94,23 +94,23 @@ def _loop_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
 
     def one_expert(i, out):
         e = active[i]
-        wg, wu, wd = (_dense(_take(w, e), x.dtype) for w in (w_gate, w_up, w_down))
+        w_gate_FD, w_up_FD, w_down_DF = (_dense(_take(w, e), x_MD.dtype) for w in (w_gate, w_up, w_down))
         start, end = starts[e], ends[e]
 
         def one_tile(j, out):
             first = start + j * tile
             at = jnp.minimum(first, m - tile)  # the last tile slides back to stay inside x
             rows = at + jnp.arange(tile)
-            xs = jax.lax.dynamic_slice_in_dim(x, at, tile)
-            gate = jax.lax.dot_general(xs, wg, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-            up = jax.lax.dot_general(xs, wu, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-            hidden = activation(gate, up).astype(x.dtype)
-            y = jax.lax.dot_general(hidden, wd, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-            y = y.astype(x.dtype)
+            x_tile_D = jax.lax.dynamic_slice_in_dim(x_MD, at, tile)
+            gate_F = jax.lax.dot_general(x_tile_D, w_gate_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+            up_F = jax.lax.dot_general(x_tile_D, w_up_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+            hidden_F = activation(gate_F, up_F).astype(x_MD.dtype)
+            y = jax.lax.dot_general(hidden_F, w_down_DF, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+            y = y.astype(x_MD.dtype)  # [tile, D]
             mine = ((rows >= first) & (rows < end))[:, None]  # leave other groups' rows untouched
             y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, at, tile))
             return jax.lax.dynamic_update_slice_in_dim(out, y, at, axis=0)
 
         return jax.lax.fori_loop(0, (end - start + tile - 1) // tile, one_tile, out)
 
-    return jax.lax.fori_loop(0, num_active, one_expert, jnp.zeros_like(x))  # padding rows stay 0
+    return jax.lax.fori_loop(0, num_active, one_expert, jnp.zeros_like(x_MD))  # padding rows stay 0
