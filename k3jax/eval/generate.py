@@ -15,13 +15,13 @@ from k3jax.eval import multihost
 from k3jax.eval.progress import log
 from k3jax.eval.requests import Request
 from k3jax.model import K3Model
+from serve.engine import Engine, EngineOptions
+from serve.sampling import SamplingParams
 
 OUTPUT_FIELDS = ("text", "token_ids", "finish_reason")
 
 
 def run_generate(model: K3Model, tokenizer, pending: list[Request], emit, options, max_length: int) -> dict:
-    from serve.engine import Engine, EngineOptions  # noqa: PLC0415 (serve imports k3jax: no import-time cycle)
-
     engine_options = {"max_model_len": max_length, "max_num_seqs": options.batch_size, **options.engine_options}
     engine = Engine(model, EngineOptions(**engine_options), tokenizer=tokenizer)
     size = options.batch_size
@@ -32,8 +32,6 @@ def run_generate(model: K3Model, tokenizer, pending: list[Request], emit, option
 
 
 def _round(engine, requests: list[Request]) -> list[dict]:
-    from serve.sampling import SamplingParams  # noqa: PLC0415
-
     records, running = [], {}
     for request in requests:
         try:
