@@ -46,8 +46,22 @@ class ConfigError(ValueError):
     """A config value is missing or inconsistent; the message names the key."""
 
 
+class MLASizes:
+    """The sizes k3jax.layers.mla derives from a config's MLA fields (kv_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim): the target's K3Config and the DSpark draft's DSparkConfig both have them."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_cache_width(self) -> int:
+        """Values cached per token per MLA layer: the normalised latent plus the shared key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclasses.dataclass(frozen=True)
-class K3Config:
+class K3Config(MLASizes):
     """Every key the text model reads, with the vLLM/SGLang `KimiLinearConfig` defaults."""
 
     model_type: str = "kimi_linear"  # of the outer config: "kimi_k3" or "kimi_linear"
@@ -123,15 +137,6 @@ class K3Config:
     @property
     def latent_moe(self) -> bool:
         return self.routed_expert_hidden_size is not None
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def mla_cache_width(self) -> int:
-        """Values cached per token per MLA layer: the normalised latent plus the shared key part."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def kda_projection_size(self) -> int:

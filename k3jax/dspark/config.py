@@ -22,7 +22,7 @@ import json
 import os
 from typing import Any, ClassVar
 
-from k3jax.config import ConfigError, K3Config
+from k3jax.config import ConfigError, K3Config, MLASizes
 
 # What "the hidden state after layer i" is under AttnRes (the decoder taps either, k3jax/decoder.py)
 TAP_KINDS = ("residual_sum", "next_mixture")
@@ -34,7 +34,7 @@ _REQUIRED = ("target_layer_ids", "target_hidden_size", "markov_rank", "q_lora_ra
 
 
 @dataclasses.dataclass(frozen=True)
-class DSparkConfig:
+class DSparkConfig(MLASizes):
     target_layer_ids: tuple[int, ...]  # zero-based target layers whose output hidden states are tapped
     target_hidden_size: int
     markov_rank: int
@@ -74,15 +74,6 @@ class DSparkConfig:
     def context_width(self) -> int:
         """Width of the concatenated target taps that context_proj reads."""
         return self.num_target_layers * self.target_hidden_size
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def mla_cache_width(self) -> int:
-        """Values per token per draft layer in the draft pages: [normalised latent | rotated key]."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def confidence_width(self) -> int:
