@@ -44,11 +44,17 @@ def f32(*xs):
     return [jnp.asarray(x, jnp.float32) for x in xs]
 
 
+# The API's tuning keywords, passed to the kernels: 32-token chunks (two 16-row state steps each) and
+# 16-column state tiles, against the defaults (64-token chunks, 32-column tiles).
+SMALL_TILES = {chunk_kda: {"chunk_size": 32, "block_v": 16}, fused_recurrent_kda: {"block_v": 16}}
+
+
+@pytest.mark.parametrize("small_tiles", [False, True], ids=["default_tiles", "small_tiles"])
 @pytest.mark.parametrize(("fn", "impl"), PALLAS, ids=PALLAS_IDS)
-def test_packed_sequences_with_initial_states(fn, impl):
+def test_packed_sequences_with_initial_states(fn, impl, small_tiles):
     cu, s0, (q, k, v, g, beta) = packed(LENGTHS, seed=1)
     o, s = fn(*f32(q, k, v, g, beta), initial_state=f32(s0)[0], cu_seqlens=jnp.asarray(cu),
-              output_final_state=True, impl=impl)
+              output_final_state=True, impl=impl, **(SMALL_TILES[fn] if small_tiles else {}))
     assert o.shape == (1, cu[-1], H, V) and s.shape == (len(LENGTHS), H, K, V)
     for n in range(len(LENGTHS)):
         part = slice(cu[n], cu[n + 1])
@@ -56,21 +62,6 @@ def test_packed_sequences_with_initial_states(fn, impl):
         if LENGTHS[n]:
             assert_close(o[0, part], ref_o, FP32_REL)
         assert_close(s[n], ref_s, FP32_REL)  # the empty sequence keeps its initial state
-
-
-@pytest.mark.parametrize(("fn", "tuning"), [(chunk_kda, {"chunk_size": 32, "block_v": 16}),
-                                             (fused_recurrent_kda, {"block_v": 16})], ids=PALLAS_IDS)
-def test_tuning_knobs_change_the_tiling_not_the_result(fn, tuning):
-    """Through the API: 32-token chunks (two 16-row state steps each) and 16-column state tiles."""
-    cu, s0, (q, k, v, g, beta) = packed(LENGTHS, seed=4)
-    o, s = fn(*f32(q, k, v, g, beta), initial_state=f32(s0)[0], cu_seqlens=jnp.asarray(cu),
-              output_final_state=True, impl="pallas", **tuning)
-    for n in range(len(LENGTHS)):
-        part = slice(cu[n], cu[n + 1])
-        ref_o, ref_s = numpy_kda(q[0, part], k[0, part], v[0, part], g[0, part], beta[0, part], K ** -0.5, s0[n])
-        if LENGTHS[n]:
-            assert_close(o[0, part], ref_o, FP32_REL)
-        assert_close(s[n], ref_s, FP32_REL)
 
 
 @pytest.mark.parametrize(("fn", "impl"), PALLAS, ids=PALLAS_IDS)
