@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=sorted(KV_CACHE_DTYPES))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=defaults.async_scheduling,
+                        help="dispatch a steady decode batch's next step before this one's tokens reach the host")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="each request's tokens and logprobs independent of the batch it runs in "
                              "(every step at the largest bucket; no prefix caching or speculation)")
@@ -88,7 +90,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                          num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                         speculative_config=args.speculative_config, batch_invariant=args.batch_invariant)
+                         speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
+                         async_scheduling=args.async_scheduling)
 
 
 def _positive(text: str) -> int:

@@ -21,16 +21,17 @@ import threading
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from k3jax.model import K3Model
 from serve import sampling
+from serve.detokenizer import OutputText
 from serve.dspark import speculation
 from serve.cache import CacheAllocator, CacheLayout, page_bytes
 from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
 from serve.sampling import SamplingParams
-from serve.scheduler import Request, Scheduler, Status
+from serve.step_sampler import StepSampler, penalty_inputs, picked
+from serve.scheduler import Request, Scheduler, Status, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class EngineOptions:
     # {"method": "dspark", "model": DIR, "num_speculative_tokens": K, "draft_sample_method": "greedy" |
     # "probabilistic"} (vLLM's keys), or that as a JSON string
     speculative_config: dict | str | None = None
+    # A steady decode batch's next step goes to the device before this one's tokens reach the host
+    # (vLLM's --async-scheduling; Engine._run_ahead): the host's work between steps overlaps the device's.
+    async_scheduling: bool = True
     # Every request's tokens and logprobs independent of what else runs (see Engine): one row bucket
     # and one token bucket, prefill chunks that other requests never shorten.
     batch_invariant: bool = False
@@ -127,10 +131,12 @@ class Engine:
         self.eos_ids = {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
         if tokenizer is not None:
             self.eos_ids |= set(tokenizer.eos_token_ids)
-        self._texts: dict[str, _Text] = {}  # detokenized output of running requests (with a tokenizer)
+        self._texts: dict[str, OutputText] = {}  # detokenized output of running requests (with a tokenizer)
         self.idle = False  # the last step found nothing to run (every request paused, or none admissible)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self._ahead: _Ahead | None = None  # the step `_run_ahead` dispatched, its tokens not yet landed
+        self.num_steps_ahead = 0
 
     @staticmethod
     def _layout(cfg, options: EngineOptions, dtype_bytes: int, kv_bytes: int, draft_page_bytes: int) -> CacheLayout:
@@ -250,7 +256,7 @@ class Engine:
             if num_rows in samplers:
                 samplers.discard(num_rows)
                 for params in sampling.VARIANTS:
-                    self._sampler_inputs([(0, Request("warmup", [0], params, -1))], num_rows).compile()
+                    self._sampler([(0, Request("warmup", [0], params, -1))], num_rows).compile()
             done += 1
             if log is not None:
                 log(done, total)
@@ -262,7 +268,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters: preemptions, prefix-cache hit rate, and the speculative acceptance figures."""
-        stats = {"num_preemptions": self.scheduler.num_preemptions}
+        stats = {"num_preemptions": self.scheduler.num_preemptions, "num_steps_ahead": self.num_steps_ahead}
         if self.prefix_cache is not None:
             stats["prefix_cache_hit_rate"] = self.prefix_cache.hit_rate
         if self.speculator is not None:
@@ -274,19 +280,25 @@ class Engine:
         if self.speculator is not None:
             self.speculator.observe([], taps)
         for params in sampling.VARIANTS:
-            self._sample(logits, [(0, Request("warmup", [0], params, -1))])
+            ready = [(0, Request("warmup", [0], params, -1))]
+            picked(self._sampler(ready, num_rows)(logits), ready)
 
     # steps
 
     def step(self, *, deltas: bool = False) -> list[RequestOutput]:
         """Runs one step; returns the requests that got a token or finished (with `deltas`, only what
         each got since its last output: a server's streams need nothing more, and nothing is copied
-        twice)."""
-        plan = self.scheduler.schedule()
-        self.idle = not plan
+        twice). A step dispatched ahead by the previous call (`_run_ahead`) is this call's step."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # its rows of requests that stopped since are dead: nothing of them is used
+            plan = StepPlan([r for r in ahead.requests if r.status is Status.RUNNING], [])
+        else:
+            plan = self.scheduler.schedule()
+        self.idle = ahead is None and not plan
         try:
-            requests = self._execute(plan)
+            requests = self._land(ahead) if ahead is not None else self._execute(plan)
         except Exception as error:
+            self._ahead = None  # a step dispatched on this one's tokens failed with it
             return self._isolate(plan, error, deltas)
         for request in requests:
             request.suspect = False  # it ran a step to a token
@@ -302,7 +314,11 @@ class Engine:
             touched += speculation.verify_step(self, plan.decode)
         elif plan.decode:
             rows = [(r.tokens[r.computed:], r) for r in plan.decode]
-            touched += self.emit(self._run(rows, bucket(len(rows), self.decode_rows), 1))
+            num_rows = bucket(len(rows), self.decode_rows)
+            result, ready = self._launch(rows, num_rows, 1)
+            if not plan.prefill:
+                self._ahead = self._run_ahead(plan.decode, num_rows, result)
+            touched += self._emit_landed(result, ready)
         requests = list(dict.fromkeys(touched))
         if self.speculator is not None:
             speculation.propose(self, [r for r in requests if r.status is Status.RUNNING])
@@ -341,6 +357,11 @@ class Engine:
         return [r for r, _, _ in sampled]
 
     def _run(self, rows, num_rows: int, num_tokens: int) -> list[tuple[Request, int, dict | None]]:
+        return picked(*self._launch(rows, num_rows, num_tokens))
+
+    def _launch(self, rows, num_rows: int, num_tokens: int):
+        """Dispatches the step of `rows` and the sampler of its ready rows (row index, request), which
+        `picked` brings to the host. Returns (the sampler's device result or None, the ready rows)."""
         for _, request in rows:  # prefix-cache hits resume from a KDA snapshot
             if request.restore_from is not None:
                 self.runner.copy_slot(request.restore_from, request.slot)
@@ -350,55 +371,76 @@ class Engine:
             self.speculator.observe([(r, r.computed, len(new)) for new, r in rows], taps)
         for new, request in rows:
             request.computed += len(new)
-            if self.prefix_cache is not None and (copy := self.scheduler.register(request)) is not None:
-                self.runner.copy_slot(*copy)
+        self._register(r for _, r in rows)
         ready = [(i, r) for i, (_, r) in enumerate(rows) if r.pending == 0]
-        if not ready:
-            return []
-        return [(r, *picked) for (_, r), picked in zip(ready, self._sample(logits, ready))]
+        return (self._sampler(ready, num_rows)(logits) if ready else None), ready
 
-    def _sample(self, logits, ready) -> list[tuple[int, dict | None]]:
-        """Samples the next token of each ready row (row index, request); the logits' other rows are padding.
-        Returns (token, its logprobs entry or None) per ready row."""
-        result = self._sampler_inputs(ready, logits.shape[0])(logits)
-        wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
-        tokens = np.asarray(result.tokens)
-        entries = [None] * len(ready)
-        if wants_logprobs:
-            chosen, top_ids, top = map(np.asarray, (result.logprob, result.top_ids, result.top_logprobs))
-            entries = [sampling.logprobs_entry(r.params.logprobs, tokens[i], chosen[i], top_ids[i], top[i])
-                       for i, r in ready]
-        return [(int(tokens[i]), entry) for (i, _), entry in zip(ready, entries)]
+    def _register(self, requests) -> None:
+        """Caches the requests' newly filled pages (and a KDA snapshot at a prompt's boundary)."""
+        if self.prefix_cache is None:
+            return
+        for request in requests:
+            if request.status is Status.RUNNING and (copy := self.scheduler.register(request)) is not None:
+                self.runner.copy_slot(*copy)
 
-    def _sampler_inputs(self, ready, num_rows: int) -> "_Sampler":
-        """The sampler's inputs for the ready rows of a [num_rows, vocab] step."""
-        params: list = [None] * num_rows
-        generated, ids = [0] * num_rows, [0] * num_rows
-        for i, request in ready:
-            params[i], generated[i], ids[i] = request.params, len(request.output), request.arrival
-        batch = sampling.SamplingBatch.from_params(params, num_rows, num_generated=generated, request_ids=ids,
-                                                   eos_token_ids=sorted(self.eos_ids), engine_seed=self.options.seed,
-                                                   vocab_size=self.model.config.vocab_size)
-        counts, prompt_mask = self.penalty_inputs(ready, num_rows, self.model.config.vocab_size)
-        wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
-        return _Sampler(batch, counts, prompt_mask, sampling.MAX_LOGPROBS if wants_logprobs else 0,
-                        self.model.config.vocab_size)
+    # async scheduling: the next decode step goes to the device before this one's tokens reach the host
 
-    def penalty_inputs(self, ready, num_rows: int, vocab: int):
-        """Output-token counts and prompt masks [num_rows, vocab] (zero rows for requests without a
-        penalty), or (None, None) when no ready request uses one: at K3's 164K vocabulary a batch's
-        two arrays are ~5 bytes x rows x 164K, too much to build and copy every step for nothing.
-        Built on the host: fine for occasional use (a device-resident per-slot count table would
-        avoid the copy)."""
-        if not any(r.params.uses_penalties for _, r in ready):
-            return None, None
-        counts = np.zeros((num_rows, vocab), np.int32)
-        prompt_mask = np.zeros((num_rows, vocab), bool)
-        for i, request in ready:
-            if request.params.uses_penalties:
-                np.add.at(counts[i], request.output, 1)
-                prompt_mask[i, request.prompt] = True
-        return counts, prompt_mask
+    def _run_ahead(self, requests: list[Request], num_rows: int, result) -> _Ahead | None:
+        """Dispatches the next decode step of the same requests, in the same rows, fed with the tokens
+        `result` samples: still on the device, so the host's work between steps (bringing the tokens
+        over, stop rules, detokenizing, building the next step's inputs, and XLA:CPU's inline part of
+        a dispatch) overlaps the device's instead of leaving it idle (vLLM's async scheduling). Only
+        for a steady decode batch: when anyone waits, pauses, needs a new page the pool lacks, uses
+        penalties (their counts need the token in flight) or stops by length with the token in flight,
+        this returns None and the next step is scheduled as usual. A request that the token in flight
+        stops (EOS, a stop string) wastes its row of the step ahead; nothing of it is used."""
+        if not self._can_run_ahead(requests):
+            return None
+        if not all(self.scheduler.reserve(r, 1) for r in requests):
+            return None
+        logits, _ = self.runner.run([([0], r.computed, r.slot, r.pages) for r in requests], num_rows, 1,
+                                    device_tokens=result.tokens)
+        for request in requests:
+            request.computed += 1
+        ready = list(enumerate(requests))
+        self.num_steps_ahead += 1
+        return _Ahead(requests, num_rows, ready, self._sampler(ready, num_rows, in_flight=1)(logits))
+
+    def _can_run_ahead(self, requests: list[Request]) -> bool:
+        scheduler, limit = self.scheduler, self.options.max_model_len
+        if not self.options.async_scheduling or self.speculator is not None or self.runner.spans_processes \
+                or scheduler.waiting or len(scheduler.running) != len(requests):
+            return False
+        for r in requests:
+            produced = len(r.output) + 1  # once the token in flight lands
+            if r.status is not Status.RUNNING or r.paused or r.suspect or r.params.uses_penalties \
+                    or (r.params.max_tokens is not None and produced >= r.params.max_tokens) \
+                    or len(r.prompt) + produced >= limit:
+                return False
+        new_pages = sum(self.allocator.pages_for(r.computed + 1) - len(r.pages) for r in requests)
+        return new_pages <= self.allocator.free_pages
+
+    def _emit_landed(self, result, ready) -> list[Request]:
+        """Emits a step's tokens once they land; then the rows of a step already ahead of it hold their
+        tokens up to what they computed, and their filled pages are cached."""
+        touched = self.emit(picked(result, ready))
+        if self._ahead is not None:
+            self._register(self._ahead.requests)
+        return touched
+
+    def _sampler(self, ready, num_rows: int, in_flight: int = 0) -> StepSampler:
+        return StepSampler.for_rows(ready, num_rows, vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
+                                    seed=self.options.seed, in_flight=in_flight)
+
+    # Public with `emit`: a speculative step builds its sampler's penalty inputs through it.
+    penalty_inputs = staticmethod(penalty_inputs)
+
+    def _land(self, ahead: _Ahead) -> list[Request]:
+        """The step of a call that found one dispatched ahead: dispatches the next one first (when the
+        batch is still steady), then emits this one's tokens for the requests still running."""
+        self._ahead = self._run_ahead(ahead.requests, ahead.num_rows, ahead.result)
+        live = [(i, r) for i, r in ahead.ready if r.status is Status.RUNNING]
+        return self._emit_landed(ahead.result, live)
 
     def _append(self, request: Request, token: int) -> None:
         request.output.append(token)
@@ -413,9 +455,9 @@ class Engine:
                 or len(request.tokens) >= self.options.max_model_len:
             self.scheduler.finish(request, "length")
 
-    def _text(self, request: Request) -> _Text:
+    def _text(self, request: Request) -> OutputText:
         if request.id not in self._texts:
-            self._texts[request.id] = _Text(self.tokenizer, request.params)
+            self._texts[request.id] = OutputText(self.tokenizer, request.params)
         return self._texts[request.id]
 
     def _output(self, request: Request, delta: bool = False) -> RequestOutput:
@@ -450,56 +492,10 @@ class Engine:
 
 
 @dataclasses.dataclass
-class _Sampler:
-    """`sampling.sample` with one step's inputs bound: called on the logits, or compiled ahead."""
+class _Ahead:
+    """A decode step dispatched before the previous step's tokens reached the host."""
 
-    batch: sampling.SamplingBatch
-    counts: np.ndarray | None
-    prompt_mask: np.ndarray | None
-    num_logprobs: int
-    vocab_size: int
-
-    def __call__(self, logits):
-        return sampling.sample(logits, self.batch, self.counts, self.prompt_mask, num_logprobs=self.num_logprobs)
-
-    def compile(self) -> None:
-        logits = jax.ShapeDtypeStruct((self.batch.temperature.shape[0], self.vocab_size), jnp.float32)
-        sampling.sample.lower(logits, self.batch, self.counts, self.prompt_mask,
-                              num_logprobs=self.num_logprobs).compile()
-
-
-class _Text:
-    """A request's output text, detokenized as tokens arrive; `feed` says when a stop string appeared
-    (the text is then cut before it, as OpenAI and vLLM return it)."""
-
-    def __init__(self, tokenizer, params: SamplingParams):
-        self.decoder = tokenizer.incremental_decoder(skip_special_tokens=params.skip_special_tokens)
-        self.stops = params.stop
-        self.text = ""
-        self.stopped = False
-        self.finished = False
-        # Text that a stop string could still begin in is not handed out: it might be cut.
-        self.holdback = max((len(stop) for stop in self.stops), default=1) - 1
-        self.sent = 0
-
-    def feed(self, token: int) -> bool:
-        start = len(self.text)
-        self.text += self.decoder.feed(token)
-        # a stop string may straddle the previous text and the new piece; the earliest one wins
-        found = [at for stop in self.stops if (at := self.text.find(stop, max(0, start - len(stop) + 1))) >= 0]
-        if found:
-            self.text = self.text[:min(found)]
-            self.stopped = True
-        return self.stopped
-
-    def finish(self) -> None:
-        """Completes the text with the bytes of a character the last token left unfinished, unless cut."""
-        if not self.stopped and not self.finished:
-            self.text += self.decoder.finish()
-        self.finished = True
-
-    def take(self, final: bool) -> str:
-        """The text not handed out yet that no stop string can cut any more (all of it when final)."""
-        end = len(self.text) if final else max(self.sent, len(self.text) - self.holdback)
-        new, self.sent = self.text[self.sent:end], end
-        return new
+    requests: list[Request]  # its rows, in order
+    num_rows: int  # with the padding rows
+    ready: list[tuple[int, Request]]  # (row, request): every row samples
+    result: sampling.SampleResult  # on the device

@@ -45,7 +45,10 @@ def bucket(value: int, sizes: tuple[int, ...]) -> int:
 
 @functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
 def _step(structure, params, pools, tokens, lengths, offsets, slots, page_table, taps):
-    """Last-token logits [rows, V], the pools, and the tapped hidden states [rows, T, F] (or None)."""
+    """Last-token logits [rows, V], the pools, and the tapped hidden states [rows, T, F] (or None).
+    tokens: [rows, T], or [rows] for a decode step (what the sampler returns, so a step the engine
+    runs ahead takes the previous step's samples as they are)."""
+    tokens = tokens.reshape(lengths.shape[0], -1)
     model = structure.merge(params)
     out = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), last_only=True, taps=taps)
     return out[0], out[1].layers, out[2].taps if taps is not None else None
@@ -55,6 +58,7 @@ def _step(structure, params, pools, tokens, lengths, offsets, slots, page_table,
 def _verify(structure, params, pools, tokens, lengths, offsets, slots, page_table, taps):
     """A speculative window per row: logits of every position [rows, W, V], the pools (MLA rows
     written for the whole window, KDA slots untouched), the taps and the KDA records."""
+    tokens = tokens.reshape(lengths.shape[0], -1)  # [rows] when the window is one token (as in `_step`)
     model = structure.merge(params)
     logits, state, aux = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), taps=taps,
                                record=True)
@@ -93,11 +97,20 @@ class Runner:
                                         self.pools)
         self.num_data = data_size(model.mesh)
 
-    def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int):
+    def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int, *,
+            device_tokens: jax.Array | None = None):
         """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens.
         Returns (float32 logits [num_rows, vocab] of each row's last new token (padding rows: garbage),
-        the tapped hidden states [num_rows, num_tokens, F] or None)."""
+        the tapped hidden states [num_rows, num_tokens, F] or None).
+
+        device_tokens: int32 [num_rows] on the device, a decode step's tokens used instead of the rows'
+        (whose count still sets each row's length): the engine's run-ahead feeds the previous step's
+        samples before they reach the host. One process only (a follower could not see them)."""
         arrays = self._arrays(rows, num_rows, num_tokens)
+        if device_tokens is not None:
+            if self.spans_processes:
+                raise ValueError("device_tokens: a step over several processes takes host tokens")
+            arrays = (device_tokens, *arrays[1:])
         if self.spans_processes:
             multihost.announce(multihost.RUN, *arrays)
         return self._run(arrays)
@@ -148,7 +161,7 @@ class Runner:
             tokens[i, :len(new)] = new
             lengths[i], offsets[i], slots[i] = len(new), cached, slot
             table[i, :len(pages)] = pages
-        return tokens, lengths, offsets, slots, table
+        return (tokens[:, 0] if num_tokens == 1 else tokens), lengths, offsets, slots, table
 
     def copy_slot(self, source: int, target: int) -> None:
         """Copies a KDA slot: a prefix-cache snapshot into a request's slot, or the other way round."""
@@ -198,8 +211,9 @@ class Runner:
         model = self.model
         if model.mesh is None:
             arrays = map(jnp.asarray, arrays)
-        else:  # rows over data
-            arrays = (put(a, rows_sharding(model.mesh)) for a in arrays)
+        else:  # rows over data (a device array, run-ahead tokens, moves without a trip through the host)
+            sharding = rows_sharding(model.mesh)
+            arrays = (jax.device_put(a, sharding) if isinstance(a, jax.Array) else put(a, sharding) for a in arrays)
         args = (model.structure, model.params, self.pools if pools is None else pools, *arrays, self.taps)
         with self._mesh():
             return fn.lower(*args).compile() if compile_only else fn(*args)
