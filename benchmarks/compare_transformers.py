@@ -20,6 +20,8 @@ In one run:
    the min-max range);
 4. k3jax's LLM.generate at batch 1 and 16: its decode phase is timed as generating 1 + 32 tokens
    minus generating 1 (the same prompts), against the bare K3Model.decode step of the same rounds;
+   beside it, in the same rounds, an Engine on the same model without async scheduling (the
+   figure async scheduling is measured against);
 5. decode MBU = bytes the step must read (decode_step_bytes) / step time / measured bandwidth.
 
 Results: benchmarks/results/compare_transformers.json (top-level decode_speedup_batch1,
@@ -45,6 +47,7 @@ a time. benchmarks/README.md has the figures and the caveats.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -247,6 +250,7 @@ def summary(values: list[float]) -> dict:
 def run(args) -> dict:
     import jax  # noqa: PLC0415
 
+    from serve.engine import Engine  # noqa: PLC0415
     from serve.sampling import SamplingParams  # noqa: PLC0415
     import k3jax  # noqa: PLC0415
 
@@ -287,6 +291,8 @@ def run(args) -> dict:
                         max_prefill_chunk=prompt_len, max_prefill_rows=max(engine_batches))
         model = llm.model
         log(f"k3jax loaded the checkpoint in {time.perf_counter() - start:.1f} s")
+        sync_engine = Engine(model, dataclasses.replace(llm.engine.options, async_scheduling=False),
+                             tokenizer=llm.engine.tokenizer)
 
         # 1. logits: a full forward and greedy cached steps
         rng = np.random.default_rng(SEED)
@@ -339,25 +345,26 @@ def run(args) -> dict:
             with_engine = batch in engine_batches
             if with_engine:
                 as_lists = batch_ids.tolist()
-                generate = lambda n: llm.generate(  # noqa: E731
-                    as_lists, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
 
-                def generate_seconds(n: int) -> float:
-                    begin = time.perf_counter()
-                    outputs = generate(n)
-                    assert all(len(o.token_ids) == n for o in outputs)
-                    return time.perf_counter() - begin
+                def decode_phase(generate) -> float:
+                    """Decode tokens/s: generating 1 + engine_steps tokens minus generating 1."""
+                    seconds = []
+                    for n in (1, 1 + sizes["engine_steps"]):
+                        begin = time.perf_counter()
+                        outputs = generate(as_lists, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)] * batch)
+                        assert all(len(o.token_ids) == n for o in outputs)
+                        seconds.append(time.perf_counter() - begin)
+                    return batch * sizes["engine_steps"] / (seconds[1] - seconds[0])
 
-                generate_seconds(1 + sizes["engine_steps"])  # compiles the engine's steps for this batch
-            runs = {"k3jax": [], "transformers": [], "engine": []}
+                decode_phase(llm.generate), decode_phase(sync_engine.generate)  # compile this batch's steps
+            runs = {"k3jax": [], "transformers": [], "engine": [], "engine_sync": []}
             for r in range(rounds):
                 for name in (("k3jax", "transformers") if r % 2 == 0 else ("transformers", "k3jax")):
                     seconds = k3.run(steps) if name == "k3jax" else torch_side("decode", batch=batch, steps=steps)["seconds"]
                     runs[name].append(batch * steps / seconds)
                 if with_engine:
-                    one = generate_seconds(1)
-                    full = generate_seconds(1 + sizes["engine_steps"])
-                    runs["engine"].append(batch * sizes["engine_steps"] / (full - one))
+                    for name in (("engine", "engine_sync") if r % 2 == 0 else ("engine_sync", "engine")):
+                        runs[name].append(decode_phase(llm.generate if name == "engine" else sync_engine.generate))
             torch_side("drop", batch=batch)
             del k3
             decode[batch] = {"transformers": summary(runs["transformers"]), "k3jax": summary(runs["k3jax"])}
@@ -365,11 +372,15 @@ def run(args) -> dict:
                 f"k3jax {decode[batch]['k3jax']['median']:.1f}; experts in use per MoE layer "
                 f"{routing[batch]['experts_in_use']:.1f} of {cfg['num_local_experts']}")
             if with_engine:
+                bare = decode[batch]["k3jax"]["median"]
                 engine[batch] = {"tokens_per_s": summary(runs["engine"]),
-                                 "vs_model": float(np.median(runs["engine"])) / decode[batch]["k3jax"]["median"],
-                                 "vs_model_per_round": [e / m for e, m in zip(runs["engine"], runs["k3jax"])]}
+                                 "vs_model": float(np.median(runs["engine"])) / bare,
+                                 "vs_model_per_round": [e / m for e, m in zip(runs["engine"], runs["k3jax"])],
+                                 "no_async_scheduling": {"tokens_per_s": summary(runs["engine_sync"]),
+                                                         "vs_model": float(np.median(runs["engine_sync"])) / bare}}
                 log(f"  LLM.generate decode phase {engine[batch]['tokens_per_s']['median']:.1f} tokens/s, "
-                    f"{engine[batch]['vs_model']:.2f} of the bare step")
+                    f"{engine[batch]['vs_model']:.2f} of the bare step (without async scheduling "
+                    f"{engine[batch]['no_async_scheduling']['vs_model']:.2f})")
 
         # 5. MBU, against the bandwidth measured before and after the decode runs (the median of both sets:
         # a neighbour's load changes during the run)
@@ -446,6 +457,11 @@ def write_results(result: dict, results_dir: str, quick: bool) -> dict:
                      "speedup": None,
                      "k3jax_range": f"{e['tokens_per_s']['min']:.4g}-{e['tokens_per_s']['max']:.4g}",
                      "transformers_range": None, "k3jax_mbu": None})
+        sync = e["no_async_scheduling"]["tokens_per_s"]
+        rows.append({"measure": "Engine.generate decode, no async scheduling", "batch": batch,
+                     "transformers_tok_s": None, "k3jax_tok_s": sync["median"], "speedup": None,
+                     "k3jax_range": f"{sync['min']:.4g}-{sync['max']:.4g}", "transformers_range": None,
+                     "k3jax_mbu": None})
     setup = result["setup"]
     note = (f"{setup['params'] / 1e6:.0f}M Kimi Linear fp32, {result['rounds']} interleaved rounds, medians; "
             f"bandwidth {result['bandwidth']['gb_per_s']:.1f} GB/s")
@@ -534,8 +550,9 @@ def readme_row(payload: dict) -> str:
         tf, k3 = d["transformers"]["median"], d["k3jax"]["median"]
         return f"{tf:.1f} / {k3:.1f} ({k3 / tf:.2f}x)"
 
-    def eng(batch):
+    def eng(batch, key=None):
         e = engine.get(batch) or engine.get(str(batch))
+        e = e.get(key) if e and key else e
         return f"{e['vs_model']:.2f}" if e else "-"
 
     prefill = payload["prefill"]
@@ -546,7 +563,9 @@ def readme_row(payload: dict) -> str:
              f"{payload['bandwidth']['gb_per_s']:.1f}",
              f"{prefill['transformers']['median']:.0f} / {prefill['k3jax']['median']:.0f} "
              f"({payload['prefill_speedup']:.2f}x)",
-             pair(1), pair(16), f"{m1['k3jax']:.1%}", f"{eng(1)} / {eng(16)}"]
+             pair(1), pair(16), f"{m1['k3jax']:.1%}",
+             f"{eng(1)} / {eng(16)} (no async scheduling {eng(1, 'no_async_scheduling')} / "
+             f"{eng(16, 'no_async_scheduling')})"]
     return "| " + " | ".join(cells) + " |"
 
 
