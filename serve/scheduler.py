@@ -48,10 +48,18 @@ class Request:
     suspect: bool = False  # in a step that failed: runs alone until it samples a token
     paused: bool = False  # left out of steps (its reader has too much unread output)
     num_sent: int = 0  # output tokens handed out as deltas
+    images: list = dataclasses.field(default_factory=list)  # serve.multimodal.ImageSpan per image, in order
+    cache_prompt: list[int] | None = None  # what the prefix cache hashes for the prompt, when not the prompt
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        """The tokens as the prefix cache keys them: an image's pad positions carry its content key
+        (serve/multimodal.py), so two images behind the same text never share pages."""
+        return self.tokens if self.cache_prompt is None else self.cache_prompt + self.output
 
     @property
     def pending(self) -> int:
@@ -127,7 +135,7 @@ class Scheduler:
                 break
             request.slot = slot
             if self.prefix_cache is not None:
-                request.hashes, request.pages, request.restore_from = self.prefix_cache.lookup(request.tokens)
+                request.hashes, request.pages, request.restore_from = self.prefix_cache.lookup(request.cache_tokens)
                 request.computed = len(request.pages) * self.page_size
             chunk = self._chunk(request, budget)
             if not chunk:
@@ -162,7 +170,7 @@ class Scheduler:
         cache = self.prefix_cache
         full, start = request.computed // self.page_size, len(request.hashes)
         if full > start:
-            hashes = cache.chain(request.tokens, start, full, request.hashes[-1] if request.hashes else b"")
+            hashes = cache.chain(request.cache_tokens, start, full, request.hashes[-1] if request.hashes else b"")
             for page, h in zip(request.pages[start:full], hashes):
                 cache.insert(h, page)
             request.hashes += hashes

@@ -1,0 +1,127 @@
+"""Images in prompts: where their bytes come from, and the prompt's <|media_pad|> runs they become.
+
+A chat prompt holds one `<|kimi_image_placeholder|>` per image (serve/chat/encoding.py). Each is
+expanded, as K3's processor does, to
+
+    <|media_begin|> "image {W}x{H}" <|media_content|> <|media_pad|> x N <|media_end|>
+
+with W x H the image's original size and N its merged patch count (k3jax.vision.preprocess). The
+model replaces the embeddings of the N pad positions, in order, with the vision encoder's N outputs.
+
+Pad tokens are the same id for every image, so the prefix cache would take two prompts with the same
+text and different images for one prefix. Each prompt therefore also gets `cache_ids`: its ids with
+the pad positions of an image replaced by one value derived from the image's content hash, above
+any token id (the hash chain reads int64s), which is what the prefix cache hashes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import os
+import urllib.parse
+
+from k3jax.vision.config import ImageProcessorConfig
+from k3jax.vision.preprocess import PreparedImage, decode_image, prepare
+
+PLACEHOLDER = "<|kimi_image_placeholder|>"
+_CACHE_ID_BASE = 1 << 40  # above every vocabulary: a cache id never equals a token id
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageInput:
+    prepared: PreparedImage
+    digest: bytes  # the pixels' content hash: keys the encoder's cache and the prefix cache
+    num_tokens: int  # <|media_pad|> positions: the merged patches
+
+    @classmethod
+    def from_image(cls, image, processor: ImageProcessorConfig) -> ImageInput:
+        """From encoded bytes or a Pillow image (ValueError for what is not a usable image)."""
+        prepared = prepare(image, processor)
+        digest = hashlib.blake2b(prepared.pixel_values.tobytes(), digest_size=16,
+                                 person=b"k3jax-image").digest()
+        return cls(prepared, digest, prepared.num_patches // processor.merge_kernel_size ** 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSpan:
+    start: int  # the first <|media_pad|> position in the prompt
+    image: ImageInput
+
+    @property
+    def end(self) -> int:
+        return self.start + self.image.num_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class MultimodalPrompt:
+    ids: list[int]
+    cache_ids: list[int]  # `ids` with each image's pads replaced by its content key (see the module)
+    spans: list[ImageSpan]
+
+
+def image_bytes(url: str, *, field: str, allowed_local_media_path: str | None = None) -> bytes:
+    """The bytes behind an image URL: a `data:` URL (base64), or a `file://` URL under
+    `allowed_local_media_path` (vLLM's --allowed-local-media-path). The server fetches nothing
+    remote. Raises ValueError naming `field`."""
+    if not isinstance(url, str):
+        raise ValueError(f"{field}: must be a string URL")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        header, _, payload = url.partition(",")
+        if not header.endswith(";base64"):
+            raise ValueError(f"{field}: a data URL must be base64 (data:image/png;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as error:
+            raise ValueError(f"{field}: the data URL's base64 does not decode: {error}") from error
+    if scheme == "file":
+        if allowed_local_media_path is None:
+            raise ValueError(f"{field}: file:// URLs need the server started with --allowed-local-media-path")
+        path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+        root = os.path.realpath(allowed_local_media_path)
+        if os.path.commonpath([path, root]) != root:
+            raise ValueError(f"{field}: {path} is not under the allowed local media path")
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as error:
+            raise ValueError(f"{field}: cannot read {path}: {error.strerror}") from error
+    if scheme in ("http", "https"):
+        raise ValueError(f"{field}: this server does not fetch remote images; send the image as a data: URL")
+    raise ValueError(f"{field}: expected a data: URL (or file:// with --allowed-local-media-path)")
+
+
+def load_image(data: bytes, processor: ImageProcessorConfig, *, field: str) -> ImageInput:
+    """Decodes and prepares an image (the pixel limit checked on the header first)."""
+    try:
+        return ImageInput.from_image(decode_image(data, processor), processor)
+    except ValueError as error:
+        raise ValueError(f"{field}: {error}") from error
+
+
+def expand_images(ids: list[int], images: list[ImageInput], tokenizer) -> MultimodalPrompt:
+    """Expands the prompt's placeholders, the k-th into images[k]'s media run. Raises ValueError when
+    the counts differ."""
+    placeholder = tokenizer.token_id(PLACEHOLDER)
+    found = sum(1 for t in ids if t == placeholder)
+    if found != len(images):
+        raise ValueError(f"the prompt holds {found} image placeholders for {len(images)} images")
+    begin, content, pad, end = (tokenizer.token_id(name) for name in
+                                ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"))
+    out, keys, spans, images = [], [], [], iter(images)
+    for token in ids:
+        if token != placeholder:
+            out.append(token)
+            keys.append(token)
+            continue
+        image = next(images)
+        width, height = image.prepared.size
+        head = [begin, *tokenizer.encode(f"image {width}x{height}"), content]
+        key = _CACHE_ID_BASE + int.from_bytes(image.digest[:5], "little")
+        spans.append(ImageSpan(len(out) + len(head), image))
+        out += head + [pad] * image.num_tokens + [end]
+        keys += head + [key] * image.num_tokens + [end]
+    return MultimodalPrompt(out, keys, spans)
