@@ -1,0 +1,137 @@
+"""OpenAI's Responses API (serve/api_responses.py) end to end through the official `openai` client,
+on one k3-tiny server for the module (tests/serve/extra_api_server.py); reasoning and function
+calls through the test hook that forces the model's output."""
+
+import itertools
+import json
+
+import openai
+import pytest
+
+from tests.serve import extra_api_server
+from tests.serve.test_server import LONG, MODEL, TOOL_CALL_OUTPUT, wait_idle
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather by city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+INSTANT = {"effort": "none"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from extra_api_server.start(tmp_path_factory)
+
+
+def create(server, **kwargs):
+    return server.client().responses.create(**{"model": MODEL, "input": "hi", "max_output_tokens": 8, **kwargs})
+
+
+def forced(text: str, **extra_body) -> dict:
+    return {"extra_body": {"k3jax_test_forced_output": text, **extra_body}}
+
+
+def test_text_whole_and_streamed_alike_in_event_order(server):
+    kwargs = {"temperature": 0, "reasoning": INSTANT, "extra_body": LONG}
+    wait_idle(server)
+    whole = create(server, **kwargs)
+    wait_idle(server)
+    events = list(create(server, stream=True, **kwargs))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response
+    assert whole.output_text == final.output_text == text == events[-4].text
+    assert whole.status == final.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == final.usage.output_tokens == 8
+    assert whole.id.startswith("resp_") and final.output[0].id == events[2].item.id
+
+
+def test_reasoning_and_function_call_whole_streamed_and_round_trip(server):
+    kwargs = {"tools": [WEATHER], "max_output_tokens": None, **forced(TOOL_CALL_OUTPUT)}
+    response = create(server, **kwargs)
+    reasoning, call = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Need weather."
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 3} and response.status == "completed"
+    events = list(create(server, stream=True, **kwargs))
+    kinds = [kind for kind, _ in itertools.groupby(event.type for event in events)]  # deltas counted once
+    assert kinds[2:8] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta", "response.reasoning_text.done",
+                          "response.content_part.done", "response.output_item.done"]
+    assert kinds[8:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert final.output[1].arguments == call.arguments
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [call.arguments]
+    # the call's output, sent back by previous_response_id or with the whole conversation, makes one prompt
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    chained = create(server, previous_response_id=response.id, input=[result], tools=[WEATHER], max_output_tokens=1)
+    history = [{"role": "user", "content": "hi"}, *[item.model_dump(exclude_none=True) for item in response.output],
+               result]
+    resent = create(server, input=history, tools=[WEATHER], max_output_tokens=1)
+    assert chained.usage.input_tokens == resent.usage.input_tokens > response.usage.input_tokens
+    assert chained.previous_response_id == response.id
+
+
+def test_instructions_and_instant_mode(server):
+    text = "Hi there!<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    response = create(server, instructions="Be brief.", reasoning=INSTANT, **forced(text))
+    assert [item.type for item in response.output] == ["message"] and response.output_text == "Hi there!"
+    assert response.instructions == "Be brief." and response.status == "completed"
+    plain = create(server, reasoning=INSTANT, **forced(text))
+    assert plain.usage.input_tokens < response.usage.input_tokens
+
+
+def test_previous_response_id_chains_and_store(server):
+    first = create(server, instructions="Be brief.", reasoning=INSTANT, **forced("Hello!"))
+    second = create(server, previous_response_id=first.id, input="again", reasoning=INSTANT, **forced("Bye."))
+    third = create(server, previous_response_id=second.id, input="and?", reasoning=INSTANT, max_output_tokens=1)
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+               {"role": "user", "content": "again"}, {"role": "assistant", "content": "Bye."},
+               {"role": "user", "content": "and?"}]
+    # the first response's instructions are not carried over
+    assert third.usage.input_tokens == create(server, input=history, reasoning=INSTANT,
+                                              max_output_tokens=1).usage.input_tokens
+    assert server.client().responses.retrieve(second.id).output_text == "Bye."
+    unstored = create(server, store=False, max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as error:
+        create(server, previous_response_id=unstored.id)
+    assert error.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        server.client().responses.retrieve(unstored.id)
+
+
+BAD_REQUESTS = [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"}]},
+     "input[0].encrypted_content"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0]"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"reasoning": {"effort": "medium"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"background": True}, "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"previous_response_id": "resp_nothing"}, "previous_response_id"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x" * 1100}, "max_model_len=1024"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "names"), BAD_REQUESTS, ids=[n for _, n in BAD_REQUESTS])
+def test_bad_request_is_400_naming_the_field(server, kwargs, names):
+    with pytest.raises(openai.BadRequestError) as error:
+        create(server, **kwargs)
+    assert names in error.value.body["message"] and error.value.body["type"] == "invalid_request_error"
+
+
+def test_unknown_fields_ignored(server):
+    assert create(server, max_output_tokens=1, extra_body={"no_such_field": 1, **LONG}).usage.output_tokens == 1
