@@ -43,7 +43,7 @@ class Tokenizer:
     """Text <-> token ids for K3. Special tokens are addressed by their text (`token_id("<|open|>")`)."""
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int], *,
-                 bos_token: str | None = None, eos_token: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None,
                  extra_eos_token_ids: Iterable[int] = ()):
         self._encoding = tiktoken.Encoding("k3", pat_str=KIMI_PATTERN, mergeable_ranks=mergeable_ranks,
                                            special_tokens=special_tokens)
@@ -52,6 +52,9 @@ class Tokenizer:
         self.vocab_size = len(mergeable_ranks) + len(special_tokens)
         # The longest text a token covers: n bytes (or characters) of text are at least n / this tokens.
         self.max_token_bytes = max(map(len, mergeable_ranks), default=1)
+        # the configured special tokens' texts (None when the vocabulary lacks them)
+        self.bos_token, self.eos_token, self.pad_token = (t if t in special_tokens else None
+                                                          for t in (bos_token, eos_token, pad_token))
         self.bos_token_id = special_tokens.get(bos_token) if bos_token else None
         ends = {special_tokens.get(END_OF_MESSAGE), special_tokens.get(eos_token) if eos_token else None}
         self.eos_token_ids = frozenset({i for i in ends if i is not None} | set(extra_eos_token_ids))
@@ -81,7 +84,8 @@ class Tokenizer:
                 eos = json.load(f).get("eos_token_id")
             extra_eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return cls(ranks, specials, bos_token=_token_text(config.get("bos_token")),
-                   eos_token=_token_text(config.get("eos_token")), extra_eos_token_ids=extra_eos)
+                   eos_token=_token_text(config.get("eos_token")), pad_token=_token_text(config.get("pad_token")),
+                   extra_eos_token_ids=extra_eos)
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         """Token ids of `text`. Without `allow_special`, marker strings such as `<|open|>` in the text

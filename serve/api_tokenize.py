@@ -1,0 +1,74 @@
+"""vLLM's tokenizer endpoints: `/tokenize`, `/detokenize` and `/tokenizer_info`, which let a client
+such as lm-evaluation-harness (its `remote` tokenizer) count and cut prompts with the served model's
+tokenizer without having its files.
+
+A text prompt is tokenized as `/v1/completions` tokenizes it (special-token text such as `[EOS]`
+becomes the special token, as Hugging Face tokenizers and vLLM do: the harness finds the EOS id by
+tokenizing the EOS token's text); chat messages as `/v1/chat/completions` renders them. K3's prompt
+format is its Python encoder, not a Jinja template, so `/tokenizer_info` has no `chat_template`.
+The handlers raise ValueErrors that name the field; the server turns them into 400s.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from serve.api_protocol import ChatCompletionRequest
+from serve.chat import tokenize_messages
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI and vLLM do
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeCompletion(_Body):
+    prompt: str
+    add_special_tokens: bool = True  # K3 adds none: a prompt is its tokens
+
+
+class TokenizeChat(ChatCompletionRequest):
+    """A chat request's prompt fields (its sampling fields play no part here)."""
+
+    model: str | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class Detokenize(_Body):
+    tokens: list[int]
+
+
+def prompt_tokens(tokenizer, text: str) -> list[int]:
+    """A raw text prompt's tokens: special-token text is the special token."""
+    return tokenizer.encode(text, allow_special=True)
+
+
+def tokenize(tokenizer, body: TokenizeCompletion | TokenizeChat, max_model_len: int) -> dict:
+    if isinstance(body, TokenizeChat):
+        thinking, effort = body.thinking()
+        tools, tool_choice = body.tool_prompt()
+        ids = tokenize_messages(tokenizer, body.messages, tools=tools, tool_choice=tool_choice, thinking=thinking,
+                                thinking_effort=effort, add_generation_prompt=body.add_generation_prompt)
+    else:
+        ids = prompt_tokens(tokenizer, body.prompt)
+    out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = [tokenizer.token_bytes(i).decode("utf-8", errors="replace") for i in ids]
+    return out
+
+
+def detokenize(tokenizer, body: Detokenize, vocab_size: int) -> dict:
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise ValueError(f"tokens: token ids must lie in [0, {vocab_size})")
+    return {"prompt": tokenizer.decode(body.tokens)}
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    return {"tokenizer_class": "TikTokenTokenizer", "vocab_size": tokenizer.vocab_size,
+            "model_max_length": max_model_len, "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.pad_token,
+            "added_tokens_decoder": {str(i): {"content": name, "special": True}
+                                     for name, i in sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])}}
