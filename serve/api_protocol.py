@@ -5,8 +5,13 @@ one either) and the bounds that need no model; a failure is a 400 naming the fie
 the model or the server (top_k and token ids within the vocabulary, prompt lengths, the cap on n)
 is checked by the server, `SamplingParams` and the chat encoder, whose ValueErrors start with the
 field's name and also become 400s. Fields OpenAI does not have are vLLM's extensions with vLLM's
-names (top_k, min_p, ignore_eos, ..., `chat_template_kwargs`). Unknown fields are ignored, as
-vLLM does.
+names (top_k, min_p, ignore_eos, ..., `chat_template_kwargs`, `structured_outputs`). Unknown fields
+are ignored, as vLLM does.
+
+Structured outputs (serve/structured.py) come from `response_format` (json_object, json_schema),
+vLLM's `structured_outputs` (json, regex, choice, grammar, json_object) and a forced tool choice
+(`tool_choice="required"` or a named function, `parallel_tool_calls=false`); one request uses one
+of them. A grammar that cannot be compiled is a 400 naming its field (from the engine's add_request).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve.sampling import MAX_LOGPROBS, SamplingParams
+from serve.structured import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 64  # each costs a search per token
 MAX_STOP_CHARS = 1024  # a stream holds back the last (longest stop - 1) characters
@@ -50,6 +56,24 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
+class StructuredOutputsRequest(Strict):
+    """vLLM's `structured_outputs` extension: exactly one of the constraints. JSON allows no free
+    whitespace unless disable_any_whitespace is false (vLLM's default is the other way round: a
+    small model loops on spaces)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = True
+
+    def params(self, channel: str | None) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json, json_object=self.json_object, regex=self.regex,
+                                       choice=self.choice, grammar=self.grammar,
+                                       whitespace=not self.disable_any_whitespace, channel=channel)
+
+
 class SamplingRequest(Strict):
     """The fields both completion endpoints share."""
 
@@ -71,6 +95,7 @@ class SamplingRequest(Strict):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # Accepted by OpenAI or vLLM but not served here: refused when set, rather than silently ignored.
     prompt_logprobs: int | None = None
     UNSUPPORTED: ClassVar[tuple] = (("prompt_logprobs", None),)  # (field, its value when unused)
@@ -86,7 +111,7 @@ class SamplingRequest(Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, choice: int, *, max_tokens: int | None, logprobs: int | None,
-                        skip_special_tokens: bool) -> SamplingParams:
+                        skip_special_tokens: bool, structured: StructuredOutputsParams | None) -> SamplingParams:
         """The params of one choice. With a seed, choice i samples with seed + i: the n choices of a
         seeded request differ from each other and are reproducible."""
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -98,7 +123,7 @@ class SamplingRequest(Strict):
             repetition_penalty=self.repetition_penalty, seed=None if self.seed is None else self.seed + choice,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=skip_special_tokens,
-            logit_bias=self._logit_bias())
+            logit_bias=self._logit_bias(), structured_outputs=structured)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -119,16 +144,12 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: at most one call (enforced by a grammar)
     # "none" turns thinking off, the others set the thinking effort (spec E)
     reasoning_effort: Literal["none", "low", "high", "max"] | None = None
     # the encoder's switches: thinking (alias enable_thinking) and thinking_effort
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no constrained decoding
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise ValueError('response_format: only {"type": "text"} is supported by this server')
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
 
     def chat_sampling_params(self, choice: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -136,7 +157,41 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # The output parsers need the channel markers, which are special tokens.
         return self.sampling_params(choice, max_tokens=max_tokens, skip_special_tokens=False,
-                                    logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+                                    logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                                    structured=self.structured())
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The constraint of the request's content (after the thinking), or None: from
+        response_format, structured_outputs, or the tool choice (over the tools `tool_prompt` declares:
+        only the named one for a named choice)."""
+        channel = "think" if self.thinking()[0] else "response"
+        tools = self.tool_prompt()[0]
+        forced = self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+        one_call = self.parses_tool_calls() and not self.parallel_tool_calls
+        sources = [name for name, used in (("response_format", self.response_format not in (None, {"type": "text"})),
+                                           ("structured_outputs", self.structured_outputs is not None),
+                                           ("tool_choice", forced)) if used]
+        if len(sources) > 1:
+            raise ValueError(f"{sources[1]}: cannot be combined with {sources[0]} in one request")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params(channel)
+        if self.response_format not in (None, {"type": "text"}):
+            kind = self.response_format.get("type")
+            if kind not in ("json_object", "json_schema"):
+                raise ValueError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema")
+            json_schema = self.response_format.get("json_schema") if kind == "json_schema" else {}
+            if not isinstance(json_schema, dict):
+                raise ValueError("response_format.json_schema: a json_schema response format needs a json_schema "
+                                 "object")
+            schema = json_schema.get("schema")
+            return StructuredOutputsParams(json=schema, json_object=schema is None,
+                                           strict=json_schema.get("strict") is True, channel=channel,
+                                           field="response_format")
+        if forced or one_call:
+            return StructuredOutputsParams(tools=[t["function"] for t in tools], channel=channel,
+                                           parallel_tool_calls=self.parallel_tool_calls,
+                                           tool_call_required=bool(forced), field="tool_choice")
+        return None
 
     def thinking(self) -> tuple[bool, str | None]:
         """(thinking on, thinking effort): from chat_template_kwargs, else from reasoning_effort."""
@@ -149,8 +204,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def tool_prompt(self) -> tuple[list[dict] | None, str | None]:
         """(tools to declare, tool_choice to state in the prompt). A named choice declares only that
-        tool and states that a call is required: without constrained decoding, the prompt is how
-        the choice reaches the model."""
+        tool and states that a call is required (the grammar of `structured` then forces it)."""
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
         choice = self.tool_choice
         if choice in ("required", None, "auto", "none"):
@@ -193,5 +247,6 @@ class CompletionRequest(SamplingRequest):
         return prompts
 
     def completion_sampling_params(self, choice: int) -> SamplingParams:
+        structured = self.structured_outputs.params(None) if self.structured_outputs is not None else None
         return self.sampling_params(choice, max_tokens=self.max_tokens, logprobs=self.logprobs,
-                                    skip_special_tokens=True)
+                                    skip_special_tokens=True, structured=structured)

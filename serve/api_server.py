@@ -109,7 +109,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             forced = _forced_tokens(body, tokenizer)
             prompt = await api_checks.chat_prompt_ids(tokenizer, body.messages, engine.max_model_len, tools=tools,
                                                       thinking=thinking, thinking_effort=effort,
-                                                      tool_choice=tool_choice)
+                                                      tool_choice=tool_choice, response_format=body.response_format)
         if forced is not None:
             params = [dataclasses.replace(p, max_tokens=len(forced), ignore_eos=True) for p in params]
         choices = [ChatChoice(i, tokenizer, thinking=thinking, tools=tools if body.parses_tool_calls() else None,

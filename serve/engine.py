@@ -31,6 +31,7 @@ from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
 from serve.sampling import SamplingParams
 from serve.step_sampler import StepSampler, penalty_inputs, picked
+from serve.structured import Grammars
 from serve.scheduler import Request, Scheduler, Status, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class Engine:
         if tokenizer is not None:
             self.eos_ids |= set(tokenizer.eos_token_ids)
         self._texts: dict[str, OutputText] = {}  # detokenized output of running requests (with a tokenizer)
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, self.eos_ids)  # of structured-output requests
         self.idle = False  # the last step found nothing to run (every request paused, or none admissible)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -181,6 +183,10 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._arrivals)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None:
+            if self.speculator is not None:  # its verify step does not mask the windows' positions yet
+                raise ValueError(f"{params.structured_outputs.field}: not served with speculative decoding yet")
+            self.grammars.add(request_id, params.structured_outputs)
         request = Request(request_id, ids, params, next(self._arrivals))
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -200,6 +206,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         self._texts.pop(request_id, None)
+        self.grammars.drop(request_id)
         if request is not None and request.status is not Status.FINISHED:
             self.scheduler.finish(request, "abort")
 
@@ -391,9 +398,10 @@ class Engine:
         over, stop rules, detokenizing, building the next step's inputs, and XLA:CPU's inline part of
         a dispatch) overlaps the device's instead of leaving it idle (vLLM's async scheduling). Only
         for a steady decode batch: when anyone waits, pauses, needs a new page the pool lacks, uses
-        penalties (their counts need the token in flight) or stops by length with the token in flight,
-        this returns None and the next step is scheduled as usual. A request that the token in flight
-        stops (EOS, a stop string) wastes its row of the step ahead; nothing of it is used."""
+        penalties or a grammar (their counts and masks need the token in flight) or stops by length with
+        the token in flight, this returns None and the next step is scheduled as usual. A request that
+        the token in flight stops (EOS, a stop string) wastes its row of the step ahead; nothing of it
+        is used."""
         if not self._can_run_ahead(requests):
             return None
         if not all(self.scheduler.reserve(r, 1) for r in requests):
@@ -414,7 +422,7 @@ class Engine:
         for r in requests:
             produced = len(r.output) + 1  # once the token in flight lands
             if r.status is not Status.RUNNING or r.paused or r.suspect or r.params.uses_penalties \
-                    or (r.params.max_tokens is not None and produced >= r.params.max_tokens) \
+                    or r.id in self.grammars or (r.params.max_tokens is not None and produced >= r.params.max_tokens) \
                     or len(r.prompt) + produced >= limit:
                 return False
         new_pages = sum(self.allocator.pages_for(r.computed + 1) - len(r.pages) for r in requests)
@@ -429,8 +437,10 @@ class Engine:
         return touched
 
     def _sampler(self, ready, num_rows: int, in_flight: int = 0) -> StepSampler:
+        """Built after the step's model call is dispatched: grammar masks are computed while it runs."""
         return StepSampler.for_rows(ready, num_rows, vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
-                                    seed=self.options.seed, in_flight=in_flight)
+                                    seed=self.options.seed, in_flight=in_flight,
+                                    allowed=self.grammars.allowed(ready, num_rows))
 
     # Public with `emit`: a speculative step builds its sampler's penalty inputs through it.
     penalty_inputs = staticmethod(penalty_inputs)
@@ -445,7 +455,9 @@ class Engine:
     def _append(self, request: Request, token: int) -> None:
         request.output.append(token)
         params = request.params
-        if self.tokenizer is not None and self._text(request).feed(token):
+        if not self.grammars.advance(request.id, token):  # never, with the masks applied
+            self.scheduler.finish(request, "error")
+        elif self.tokenizer is not None and self._text(request).feed(token):
             self.scheduler.finish(request, "stop")  # a stop string
         elif token in self.eos_ids and not params.ignore_eos:
             self.scheduler.finish(request, "stop")
@@ -471,6 +483,7 @@ class Engine:
         if finished:
             self.requests.pop(request.id, None)
             self._texts.pop(request.id, None)
+            self.grammars.drop(request.id)
         start = request.num_sent if delta else 0
         request.num_sent = len(request.output)
         logprobs = request.logprobs[start:] if request.params.logprobs is not None else None

@@ -17,7 +17,8 @@ Logprobs are vLLM's default "raw" logprobs: log-softmax of the model's logits, b
 penalties, temperature and filters.
 
 No request changes a compiled shape: banned ids travel as a bitmask over the whole vocabulary (any
-number of stop token ids), logit biases in a fixed number of columns (at most MAX_LOGIT_BIAS each).
+number of stop token ids, and what a structured output's grammar forbids: `restrict`), logit biases
+in a fixed number of columns (at most MAX_LOGIT_BIAS each).
 
 Randomness: a row's key is derived from (request seed, number of tokens generated so far), or for
 a request without a seed from (engine seed, request id, tokens generated so far). A request's
@@ -37,6 +38,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from serve.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy, as in vLLM.
@@ -60,6 +63,7 @@ class SamplingParams:
     up to the context limit. logprobs: None for none, n for the chosen token plus n alternatives.
     ignore_eos only tells the engine not to stop on EOS; min_tokens still bans EOS as in vLLM.
     logit_bias {token id: bias} is stored as sorted (id, bias) pairs, each bias clamped to [-100, 100].
+    structured_outputs: the grammar the output must follow (serve/structured.py), enforced by the engine.
     A bad value raises ValueError("<field>: must be ..."), named as the OpenAI API names it.
     """
 
@@ -80,6 +84,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: Mapping[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -127,6 +132,8 @@ class SamplingParams:
              and all(is_int(t) and t >= 0 and is_real(b) and not math.isnan(b) for t, b in self.logit_bias)
              and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
              f"at most {MAX_LOGIT_BIAS} {{token id: bias}} entries"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams), "None or a StructuredOutputsParams"),
         )
         for field, ok, rule in checks:
             if not ok:
@@ -230,6 +237,17 @@ class SamplingBatch(NamedTuple):
             bias_ids=bias_ids,
             bias=bias,
         )
+
+
+def restrict(banned_bits: np.ndarray, allowed_bits: np.ndarray | None) -> np.ndarray:
+    """Banned-token bits [B, W] with what allowed_bits [B, W] (a grammar's mask; all ones for free rows)
+    does not allow banned too. A row whose grammar allows only banned tokens (its end, EOS, before
+    min_tokens) keeps the grammar's mask alone: a row with nothing left would draw token 0."""
+    if allowed_bits is None:
+        return banned_bits
+    merged = banned_bits | ~allowed_bits
+    open_rows = (allowed_bits & ~merged).any(axis=1)
+    return np.where(open_rows[:, None], merged, ~allowed_bits)
 
 
 class SampleResult(NamedTuple):

@@ -25,9 +25,10 @@ class StepSampler:
 
     @classmethod
     def for_rows(cls, ready, num_rows: int, *, vocab_size: int, eos_ids, seed: int,
-                 in_flight: int = 0) -> StepSampler:
+                 in_flight: int = 0, allowed=None) -> StepSampler:
         """`in_flight`: tokens each request has sampled that have not reached its output yet (a step the
-        engine runs ahead samples with one in flight): a draw's key and min_tokens count them."""
+        engine runs ahead samples with one in flight): a draw's key and min_tokens count them.
+        `allowed`: the rows' grammar masks (serve/structured.py `Grammars.allowed`), or None."""
         params: list = [None] * num_rows
         generated, ids = [0] * num_rows, [0] * num_rows
         for i, request in ready:
@@ -35,6 +36,7 @@ class StepSampler:
         batch = sampling.SamplingBatch.from_params(params, num_rows, num_generated=generated, request_ids=ids,
                                                    eos_token_ids=sorted(eos_ids), engine_seed=seed,
                                                    vocab_size=vocab_size)
+        batch = batch._replace(banned_bits=sampling.restrict(batch.banned_bits, allowed))
         counts, prompt_mask = penalty_inputs(ready, num_rows, vocab_size)
         wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
         return cls(batch, counts, prompt_mask, sampling.MAX_LOGPROBS if wants_logprobs else 0, vocab_size)

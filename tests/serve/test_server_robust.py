@@ -232,7 +232,15 @@ BOUNDS = [
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    # structured outputs the server recognises but cannot honour (tests/serve/test_structured.py serves them)
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "objectx"}}}}, "response_format"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "start: @nowhere"}}, "structured_outputs"),
+    ("/v1/chat/completions", {"structured_outputs": {"json_object": True},
+                              "response_format": {"type": "json_object"}}, "structured_outputs"),
 ]
 
 
