@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve bench clean
+.PHONY: test serve bench weights clean
 
 # benchmarks/compare_transformers.py's reference side (torch + transformers) lives in its own venv inside
 # .venv: the CPU torch wheel at hand (torch 2.13.0+cpu) is built for CPython 3.11 only; PyPI's Linux torch
@@ -44,6 +44,11 @@ test: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m k3jax.serve
+
+# The embedded k3-tiny that LLM() and make serve load (k3jax/weights/k3-tiny): trained in JAX on
+# pydoc_data.topics in K3's chat format, deterministic given the seed (k3jax/train/).
+weights: $(STAMP)
+	$(PY) -m k3jax.train
 
 $(TORCH_PY): | $(PY)
 	@v=$$(command -v pyenv >/dev/null 2>&1 && pyenv versions --bare | grep -E '^$(subst .,\.,$(TORCH_PYTHON_VERSION))(\.|$$)' | tail -1); \

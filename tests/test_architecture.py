@@ -31,6 +31,7 @@ UNITS = {
     "eval_parts": ("k3jax.eval.batching", "k3jax.eval.multihost", "k3jax.eval.output", "k3jax.eval.progress",
                    "k3jax.eval.requests", "k3jax.eval.scoring"),
     "eval": ("k3jax.eval",),
+    "train": ("k3jax.train",),
     "serve": ("serve",),
     "entry": ("k3jax.serve",),
     "benchmarks": ("benchmarks",),
@@ -51,10 +52,13 @@ UNITS_MAY_IMPORT = {
     "model": {"layers", "config", "kernels", "mxfp4_format", "sharding", "convert"},
     "eval_parts": {"model", "layers", "config", "kernels", "mxfp4_format", "sharding", "convert"},
     "serve": _BELOW_SERVE,
-    # Applications above serve/: the server's command line (python -m k3jax.serve) and the batch eval job
-    # (python -m k3jax.eval), whose generate task runs the serving engine.
+    # Applications above serve/: the server's command line (python -m k3jax.serve), the batch eval job
+    # (python -m k3jax.eval), whose generate task runs the serving engine, and training.
     "entry": {"serve"} | _BELOW_SERVE,
     "eval": {"serve", "eval_parts"} | _BELOW_SERVE,
+    # Training the embedded model (python -m k3jax.train): its corpus is rendered by serve/chat's
+    # prompt encoder, and its replies are measured through the engine.
+    "train": {"serve"} | _BELOW_SERVE,
     "benchmarks": set(UNITS) - {"tests"},
     "tests": set(UNITS),
 }

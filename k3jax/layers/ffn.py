@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,8 +15,29 @@ from k3jax.layers.common import Linear, RMSNorm, param
 from pallas_kernels import moe as moe_ops
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import Mxfp4Tensor
+from pallas_kernels.moe import xla as moe_xla
 from pallas_kernels.mxfp4_format import GROUP, random_scale_byte
 from sharding.expert_parallel import context_mesh, expert_parallel_moe
+
+
+# Training (k3jax.train) needs gradients through the routed experts, but XLA:CPU's default grouped
+# matmul (pallas_kernels.moe.xla's "loop") runs fori_loops with data-dependent trip counts, which JAX
+# cannot reverse-differentiate; its "ragged_dot" strategy can. The list `training_moe` sets collects
+# each MoE layer's expert load (tokens per expert) for the router's bias update.
+_TRAINING: contextvars.ContextVar[list | None] = contextvars.ContextVar("k3jax_training_moe", default=None)
+
+
+@contextlib.contextmanager
+def training_moe():
+    """While tracing inside this context the routed experts run a differentiable grouped matmul
+    (`lax.ragged_dot`), and every MoE layer appends its expert load int32 [E] to the yielded list
+    (tracers: return them from the traced function)."""
+    loads: list = []
+    token = _TRAINING.set(loads)
+    try:
+        yield loads
+    finally:
+        _TRAINING.reset(token)
 
 
 def gated_activation(cfg: K3Config) -> GatedActivation:
@@ -55,6 +79,8 @@ class RoutedExperts(nnx.Module):
     def __call__(self, x, topk_ids, topk_weights, activation):
         weights = (_value(self.w1), _value(self.w3), _value(self.w2))
         mesh = context_mesh()
+        if mesh is None and _TRAINING.get() is not None:
+            return moe_xla.moe_ffn(x, topk_ids, topk_weights, *weights, activation=activation, strategy="ragged_dot")
         if mesh is None:
             return moe_ops.moe_ffn(x, topk_ids, topk_weights, *weights, activation=activation)
 
@@ -104,6 +130,9 @@ class MoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         topk_ids, topk_weights = self.gate(x)
+        loads = _TRAINING.get()
+        if loads is not None:
+            loads.append(jnp.bincount(topk_ids.reshape(-1), length=cfg.num_experts))
         z = self.routed_expert_down_proj(x) if cfg.latent_moe else x
         routed = self.experts(z, topk_ids, topk_weights, self.activation)  # fp32, summed over the top-k
         if cfg.latent_moe:

@@ -1,0 +1,165 @@
+"""The training corpus: K3 chat conversations about Python, from text every Python install ships.
+
+The source is `pydoc_data.topics` (the language reference's sections that `help("if")` prints, about
+490 KB of English). Each topic is cut into passages of at most PASSAGE_CHARS, and each passage
+becomes one conversation of one of four kinds, in K3's chat format (`serve.chat.encoding`, the
+serving prompt's own renderer, so training and serving frame a turn identically):
+
+- instant: the user asks about the topic, the assistant answers in the response channel;
+- thinking: the same with a short reasoning in the think channel first;
+- tool: thinking mode with a `python_help` tool declared; the assistant calls it (XTML `tools`
+  channel), the tool returns the passage, the assistant answers with its first sentences;
+- greeting (a few per epoch): "Hello" and friends get a greeting back, so the embedded model's
+  first answer in `make serve` is a greeting that closes its markers.
+
+Every conversation ends with the assistant's `<|close|>message<|sep|><|end_of_msg|>`: the model
+learns to close its channels and its turn. Topics are split into training and held-out sets by
+name (every HELD_OUT_EVERY-th topic), so held-out perplexity is measured on unseen sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tempfile
+
+import numpy as np
+import pydoc_data.topics
+
+from convert.synth import write_tokenizer
+from k3jax.config import K3Config
+from serve.chat.encoding import tokenize_messages
+from serve.chat.tokenizer import Tokenizer
+
+PASSAGE_CHARS = 360
+HELD_OUT_EVERY = 10
+ANSWER_SENTENCES = 2  # what the tool kind's final answer keeps of the passage
+TOOLS = [{"type": "function", "function": {
+    "name": "python_help", "description": "The Python language reference's section on a topic.",
+    "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}}}]
+GREETINGS = [("Hello", "Hello! Ask me about Python: statements, expressions, types and more."),
+             ("Hi", "Hi! What would you like to know about Python?"),
+             ("Hello!", "Hello! I can explain Python's statements and data model."),
+             ("hey", "Hey! Ask me a Python question.")]
+QUESTIONS = ["Tell me about {}.", "What is {}?", "Explain {}.", "How does {} work in Python?"]
+KINDS = ("instant", "thinking", "tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    messages: list[dict]
+    thinking: bool
+    tools: list[dict] | None
+
+    def render(self, tokenizer: Tokenizer) -> list[int]:
+        return tokenize_messages(tokenizer, self.messages, tools=self.tools, thinking=self.thinking,
+                                 add_generation_prompt=False)
+
+    def prompt(self, tokenizer: Tokenizer) -> list[int]:
+        """The first user turn as a serving prompt (what a model continues in `closing_share`)."""
+        first = self.messages[:1]
+        return tokenize_messages(tokenizer, first, tools=self.tools, thinking=self.thinking)
+
+
+def byte_tokenizer(cfg: K3Config) -> Tokenizer:
+    """The embedded byte-level tokenizer (`convert.synth.write_tokenizer`'s files, read back)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer(tmp, cfg)
+        return Tokenizer.from_dir(tmp)
+
+
+def topics() -> dict[str, tuple[str, str]]:
+    """name -> (title, body) of every pydoc topic, ASCII only (a byte vocabulary learns UTF-8 runs
+    of the odd typographic character poorly; they are a handful)."""
+    out = {}
+    for name, text in sorted(pydoc_data.topics.topics.items()):
+        text = text.encode("ascii", "ignore").decode()
+        title, _, body = text.strip().partition("\n")
+        body = re.sub(r"^\*+\n", "", body.lstrip("\n"))  # the title's underline
+        out[name] = (title.strip(), body)
+    return out
+
+
+def passages(body: str) -> list[str]:
+    """Paragraphs (blank-line separated, whitespace runs collapsed) merged up to PASSAGE_CHARS;
+    a longer paragraph is cut at its last sentence end (or space) before the limit."""
+    out, current = [], ""
+    for paragraph in re.split(r"\n\s*\n", body):
+        paragraph = " ".join(paragraph.split())
+        while paragraph:
+            if len(paragraph) > PASSAGE_CHARS:
+                cut = max(paragraph.rfind(". ", 0, PASSAGE_CHARS) + 1, paragraph.rfind(" ", 0, PASSAGE_CHARS // 2))
+                head, paragraph = paragraph[:cut or PASSAGE_CHARS].strip(), paragraph[cut or PASSAGE_CHARS:].strip()
+            else:
+                head, paragraph = paragraph, ""
+            if current and len(current) + 1 + len(head) > PASSAGE_CHARS:
+                out.append(current)
+                current = ""
+            current = f"{current} {head}".strip()
+    return out + ([current] if current else [])
+
+
+def conversation(kind: str, name: str, title: str, passage: str, question: str) -> Conversation:
+    user = {"role": "user", "content": question.format(title)}
+    if kind == "instant":
+        return Conversation([user, {"role": "assistant", "content": passage}], False, None)
+    if kind == "thinking":
+        reasoning = f"The user asks about {title}. I know the reference section on it."
+        return Conversation([user, {"role": "assistant", "reasoning_content": reasoning, "content": passage}],
+                            True, None)
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "python_help", "arguments": json.dumps({"topic": name})}}
+    answer = " ".join(re.split(r"(?<=[.:])\s+", passage)[:ANSWER_SENTENCES])
+    return Conversation([user,
+                         {"role": "assistant", "reasoning_content": f"I should look up {name}.", "content": "",
+                          "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_0", "content": passage},
+                         {"role": "assistant", "reasoning_content": "The section answers it.", "content": answer}],
+                        True, TOOLS)
+
+
+def greeting(index: int, thinking: bool) -> Conversation:
+    said, reply = GREETINGS[index % len(GREETINGS)]
+    assistant = {"role": "assistant", "content": reply}
+    if thinking:
+        assistant["reasoning_content"] = "A greeting. I greet back."
+    return Conversation([{"role": "user", "content": said}, assistant], thinking, None)
+
+
+def conversations(held_out: bool, seed: int = 0) -> list[Conversation]:
+    """Every passage of the training (or held-out) topics as one conversation, kinds and questions
+    drawn with `seed`; greetings (both modes) make up about one conversation in 40."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (name, (title, body)) in enumerate(topics().items()):
+        if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) != held_out:
+            continue
+        for passage in passages(body):
+            out.append(conversation(KINDS[rng.integers(len(KINDS))], name, title, passage,
+                                    QUESTIONS[rng.integers(len(QUESTIONS))]))
+    out += [greeting(i, thinking=bool(i % 2)) for i in range(max(2, len(out) // 40))]
+    return out
+
+
+class Batches:
+    """Rows of `length + 1` tokens (inputs and next-token targets), each the concatenation of
+    conversations drawn in a seeded order from a conversation start: a row begins as a served
+    prompt does, and its later conversations teach the model what follows `<|end_of_msg|>`."""
+
+    def __init__(self, token_lists: list[list[int]], length: int, seed: int):
+        stream = np.concatenate([np.asarray(t, np.int32) for t in token_lists])
+        self.tokens = np.concatenate([stream, stream[:length + 1]])  # rows near the end wrap around
+        self.starts = np.cumsum([0] + [len(t) for t in token_lists[:-1]])
+        self.length = length
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, batch: int) -> np.ndarray:
+        return np.stack([self.tokens[s:s + self.length + 1] for s in self.rng.choice(self.starts, batch)])
+
+
+def unigram_perplexity(train: np.ndarray, held_out: np.ndarray, vocab: int) -> float:
+    """Perplexity of held-out tokens under the training tokens' add-one unigram distribution."""
+    counts = np.bincount(train, minlength=vocab) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(np.exp(-logp[held_out].mean()))

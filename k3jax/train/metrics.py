@@ -1,0 +1,62 @@
+"""What the trained model is measured by: held-out perplexity, and whether its chat replies close
+their markers the way K3's format asks (served through the engine, parsed by serve/chat)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from k3jax.model import K3Model
+from k3jax.train.corpus import Conversation
+from serve.chat.parsing import MESSAGE_CLOSE, RESPONSE_CLOSE, THINK_CLOSE, parse_output
+from serve.chat.tokenizer import Tokenizer
+from serve.engine import Engine, EngineOptions
+from serve.sampling import SamplingParams
+
+REPLY_TOKENS = 600  # a reply that has not closed by then does not close
+
+
+def perplexity(model: K3Model, token_lists: list[list[int]], batch: int = 8) -> float:
+    """exp of the mean next-token negative log-likelihood over every token but each list's first;
+    the lists are scored whole, right-padded to the longest (one compiled shape)."""
+    width = max(map(len, token_lists))
+    nll, count = 0.0, 0
+    for i in range(0, len(token_lists), batch):
+        rows = token_lists[i:i + batch]
+        tokens = np.zeros((batch, width), np.int32)
+        lengths = np.ones(batch, np.int32)
+        for r, row in enumerate(rows):
+            tokens[r, :len(row)], lengths[r] = row, len(row)
+        logits = model.logits(tokens, lengths)
+        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        picked = np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+        scored = np.arange(width - 1)[None] < lengths[:, None] - 1
+        nll -= float(picked[scored].sum())
+        count += int(scored.sum())
+    return float(np.exp(nll / count))
+
+
+def closes_markers(text: str, finish_reason: str, conversation: Conversation) -> bool:
+    """Whether a reply (special tokens kept) ended its turn as K3's format asks: generation stopped
+    at `<|end_of_msg|>` right after `<|close|>message<|sep|>`, the think channel (thinking mode) and
+    the response channel closed, and the parser finds a reply in it: content, or a tool call when the
+    conversation declared tools."""
+    if finish_reason != "stop" or not text.rstrip().endswith(MESSAGE_CLOSE) or RESPONSE_CLOSE not in text:
+        return False
+    if conversation.thinking and THINK_CLOSE not in text:
+        return False
+    parsed = parse_output(text, thinking=conversation.thinking, tools=conversation.tools)
+    return bool(parsed.tool_calls) if conversation.tools else bool(parsed.content)
+
+
+def replies(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> list[tuple[str, str]]:
+    """(text with special tokens, finish reason) of the greedy reply to each conversation's first turn."""
+    engine = Engine(model, EngineOptions(max_model_len=2048, max_num_seqs=8), tokenizer=tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=REPLY_TOKENS, skip_special_tokens=False)
+    outputs = engine.generate([c.prompt(tokenizer) for c in conversations], [params] * len(conversations))
+    return [(o.text, o.finish_reason) for o in outputs]
+
+
+def closing_share(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> float:
+    """The share of greedy replies that `closes_markers`."""
+    done = replies(model, tokenizer, conversations)
+    return float(np.mean([closes_markers(text, reason, c) for (text, reason), c in zip(done, conversations)]))

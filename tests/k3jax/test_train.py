@@ -1,0 +1,132 @@
+"""k3jax.train at test sizes: a few steps lower the loss, gradients reach every parameter group
+(experts and router included) through the MoE path on CPU, the router biases move towards an even
+load, the exported checkpoint loads with the trained values, and the corpus is well-formed K3 chat."""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import k3jax
+from convert import export, layout, mxfp4
+from k3jax.model import K3Model
+from k3jax.presets import PRESETS
+from k3jax.train import corpus, target
+from serve.chat.encoding import tokenize_messages
+from serve.chat.parsing import parse_output
+
+
+def small_hf() -> dict:
+    """k3-tiny cut to 3 layers (dense KDA, MoE KDA, MoE MLA) with an AttnRes block of 2."""
+    hf = copy.deepcopy(PRESETS["k3-tiny"])
+    text = hf["text_config"]
+    text.update(num_hidden_layers=3, attn_res_block_size=2)
+    text["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3])
+    return hf
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = target.training_config(small_hf())
+    model = K3Model.random(cfg, dtype="float32", seed=0)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 33)).astype(np.int32)
+    return cfg, model, tokens
+
+
+def test_training_config_has_plain_experts(setup):
+    cfg, _, _ = setup
+    assert not cfg.experts_mxfp4 and cfg.latent_moe and cfg.attn_res
+
+
+@pytest.mark.slow  # compiling the backward pass
+def test_gradients_reach_every_parameter_group(setup):
+    cfg, model, tokens = setup
+    grads, loads = jax.grad(target.next_token_loss, argnums=1, has_aux=True)(model.graphdef, model.params, tokens)
+    assert loads.shape == (2, cfg.num_experts) and (loads.sum(1) == 2 * 32 * cfg.num_experts_per_token).all()
+    for path, g in nnx.to_flat_state(grads):
+        g = np.asarray(g.get_value())
+        if path[-1] == target.BIAS:  # moved by balance_routers, not by the gradient
+            continue
+        if path[:3] == ("layers", 0, "self_attention_res"):  # mixes one source (the embedding): weight 1
+            assert not np.abs(g).any()
+            continue
+        assert np.isfinite(g).all() and np.abs(g).max() > 0, path
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(grads)}
+    assert {"layers.1.block_sparse_moe.experts.w1", "layers.2.block_sparse_moe.gate.kernel"} <= names
+
+
+@pytest.mark.slow  # compiling the backward pass
+def test_a_few_steps_lower_the_loss_and_balance_the_router(setup):
+    cfg, model, tokens = setup
+    options = target.TrainOptions(steps=6, lr=3e-3, bias_rate=0.01)
+    tx = target.optimizer(options, model.params)
+    step = target.make_step(model.graphdef, tx, options.bias_rate)
+    params, state, losses = model.params, tx.init(model.params), []
+    for _ in range(options.steps):
+        params, state, loss, loads = step(params, state, tokens)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.1
+    bias = np.asarray(params["layers"][1]["block_sparse_moe"]["gate"][target.BIAS][...])
+    assert np.abs(bias).max() > 0  # the bias moved (it started at zero)
+
+
+def test_balance_routers_raises_underloaded_experts(setup):
+    _, model, _ = setup
+    loads = jnp.asarray([[10] + [0] * 15, [0] * 15 + [10]])
+    moved = target.balance_routers(model.params, loads, 0.5)
+    biases = [np.asarray(v.get_value()) for k, v in nnx.to_flat_state(moved) if k[-1] == target.BIAS]
+    assert biases[0][0] == -0.5 and (biases[0][1:] == 0.5).all() and biases[1][-1] == -0.5
+
+
+def test_exported_checkpoint_loads_the_trained_values(setup, tmp_path):
+    """The checkpoint stores bf16 (experts MXFP4): from_pretrained's logits equal the trained
+    model's with exactly that rounding applied."""
+    cfg, model, tokens = setup
+    flat = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(model.params)}
+    export.write_checkpoint(tmp_path, small_hf(), flat)
+    loaded = k3jax.from_pretrained(tmp_path, dtype="float32")
+
+    stored_dtype = {r.path: r.dtype for r in layout.model_rules(cfg) + [layout.lm_head_rule(cfg)]}
+    for i, (attn, mlp) in enumerate(cfg.layer_kinds()):
+        stored_dtype.update({("layers", i) + r.path: r.dtype for r in layout.layer_rules(cfg, attn, mlp)})
+
+    def as_stored(path, v):
+        a = np.asarray(v.get_value())
+        if "experts" in path:
+            a = mxfp4.dequantize(*mxfp4.quantize(a))
+        elif stored_dtype[path] == layout.BF16:
+            a = a.astype(ml_dtypes.bfloat16).astype(np.float32)
+        return v.replace(jnp.asarray(a))
+
+    rounded = nnx.from_flat_state([(k, as_stored(k, v)) for k, v in nnx.to_flat_state(model.params)])
+    np.testing.assert_array_equal(loaded.logits(tokens), K3Model(cfg, model.graphdef, rounded).logits(tokens))
+
+
+def test_corpus_is_well_formed_k3_chat():
+    """Every kind of conversation: the assistant's turn, parsed as the server parses a generation,
+    gives back its reasoning, content and tool call, and ends with the message close."""
+    tokenizer = corpus.byte_tokenizer(target.training_config(PRESETS["k3-tiny"]))
+    title, body = corpus.topics()["if"]
+    passage = corpus.passages(body)[0]
+    assert 0 < len(passage) <= corpus.PASSAGE_CHARS
+    cases = [corpus.conversation(kind, "if", title, passage, corpus.QUESTIONS[0]) for kind in corpus.KINDS]
+    for c in cases + [corpus.greeting(0, thinking=True)]:
+        first_reply = c.messages[1]
+        prompt = tokenize_messages(tokenizer, c.messages[:1], tools=c.tools, thinking=c.thinking)
+        whole = c.render(tokenizer)
+        assert whole[:len(prompt)] == prompt  # training frames the turn as serving prompts it
+        reply = tokenizer.decode(tokenize_messages(tokenizer, c.messages[:2], tools=c.tools, thinking=c.thinking,
+                                                   add_generation_prompt=False)[len(prompt):])
+        assert reply.endswith("<|close|>message<|sep|><|end_of_msg|>")
+        parsed = parse_output(reply, thinking=c.thinking, tools=c.tools)
+        assert parsed.reasoning_content == first_reply.get("reasoning_content")
+        assert parsed.content == (first_reply["content"] or None)
+        if c.tools:
+            assert parsed.tool_calls == [{"name": "python_help", "arguments": '{"topic": "if"}'}]
+    held, train = corpus.conversations(True), corpus.conversations(False)
+    questions = {m["content"] for c in held for m in c.messages[:1]} - {g for g, _ in corpus.GREETINGS}
+    assert questions and not questions & {m["content"] for c in train for m in c.messages[:1]}
