@@ -43,7 +43,7 @@ from serve.api_chat_bridge import (ChatRun, chat_prompt, matched_stop, request_s
 from serve.api_checks import FieldError
 from serve.api_outputs import Totals
 from serve.api_protocol import Strict
-from serve.api_server import APIError, ServerConfig, _check_model, _unless_disconnected
+from serve.api_common import APIError, ServerConfig, check_model, unless_disconnected
 from serve.async_engine import AsyncEngine
 from serve.chat import parse_output
 from serve.engine import RequestOutput
@@ -262,19 +262,19 @@ def add_messages_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig)
     router = APIRouter(route_class=_AnthropicErrors)
 
     async def messages(body: MessagesRequest, request: Request):
-        _check_model(body.model, config)
+        check_model(body.model, config)
         run = await run_chat(await _prompt(body, engine, config), engine, "messages")
         response_id = f"msg_{secrets.token_hex(12)}"
         if body.stream:
             return StreamingResponse(_stream(run, response_id, body, engine, config), media_type="text/event-stream")
-        return await _unless_disconnected(request, _whole(run, response_id, body, engine, config))
+        return await unless_disconnected(request, _whole(run, response_id, body, engine, config))
 
     messages.__annotations__["body"] = request_schema(MessagesRequest, config)
     router.post("/v1/messages")(messages)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
-        _check_model(body.model, config)
+        check_model(body.model, config)
         return {"input_tokens": len((await _prompt(body, engine, config)).ids)}
 
     app.include_router(router)

@@ -24,7 +24,7 @@ from serve import api_checks
 from serve.api_checks import FieldError
 from serve.api_outputs import Totals
 from serve.api_protocol import ChatCompletionRequest, ChatRequestWithTestHook
-from serve.api_server import APIError, ServerConfig, _forced_outputs, _forced_tokens, _submit
+from serve.api_common import APIError, ServerConfig, forced_outputs, forced_tokens, submit
 from serve.async_engine import AsyncEngine, RequestFailed, RequestGroup
 from serve.chat import Delta, OutputParser
 from serve.engine import RequestOutput
@@ -89,7 +89,7 @@ async def chat_prompt(fields: dict, sources: list[str], names: dict[str, str], e
         thinking, effort = chat.thinking()
         tools, tool_choice = chat.tool_prompt()
         params = chat.chat_sampling_params(0)
-        forced = _forced_tokens(chat, tokenizer)
+        forced = forced_tokens(chat, tokenizer)
         ids = await api_checks.chat_prompt_ids(tokenizer, chat.messages, engine.max_model_len, tools=tools,
                                                thinking=thinking, thinking_effort=effort, tool_choice=tool_choice)
     except ValueError as error:
@@ -111,9 +111,9 @@ def _renamed(error: FieldError, sources: list[str]) -> FieldError:
 
 
 async def run_chat(prompt: ChatPrompt, engine: AsyncEngine, input_field: str) -> ChatRun:
-    group = await _submit(engine, [(prompt.ids, prompt.params)], rename={"prompt": input_field})
+    group = await submit(engine, [(prompt.ids, prompt.params)], rename={"prompt": input_field})
     tokenizer = engine.tokenizer
-    return ChatRun(group, group if prompt.forced is None else _forced_outputs(group, prompt.forced, tokenizer), prompt)
+    return ChatRun(group, group if prompt.forced is None else forced_outputs(group, prompt.forced, tokenizer), prompt)
 
 
 async def whole_output(run: ChatRun) -> RequestOutput:

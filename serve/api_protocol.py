@@ -61,7 +61,7 @@ class StructuredOutputsRequest(Strict):
     whitespace unless disable_any_whitespace is false (vLLM's default is the other way round: a
     small model loops on spaces)."""
 
-    json: dict[str, Any] | str | None = None
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -69,7 +69,7 @@ class StructuredOutputsRequest(Strict):
     disable_any_whitespace: bool = True
 
     def params(self, channel: str | None) -> StructuredOutputsParams:
-        return StructuredOutputsParams(json=self.json, json_object=self.json_object, regex=self.regex,
+        return StructuredOutputsParams(json=self.json_schema, json_object=self.json_object, regex=self.regex,
                                        choice=self.choice, grammar=self.grammar,
                                        whitespace=not self.disable_any_whitespace, channel=channel)
 

@@ -46,7 +46,7 @@ from serve import api_checks
 from serve.api_checks import FieldError
 from serve.api_outputs import Totals
 from serve.api_protocol import SamplingRequest, Strict
-from serve.api_server import APIError, ServerConfig, _check_model, _unless_disconnected
+from serve.api_common import APIError, ServerConfig, check_model, unless_disconnected
 from serve.async_engine import AsyncEngine
 from serve.chat import parse_output
 from serve.engine import RequestOutput
@@ -211,7 +211,7 @@ def add_responses_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig
     stored: collections.OrderedDict[str, tuple[list, dict]] = collections.OrderedDict()
 
     async def create(body: ResponsesRequest, request: Request):
-        _check_model(body.model, config)
+        check_model(body.model, config)
         previous = []
         if body.previous_response_id is not None:
             if body.previous_response_id not in stored:
@@ -236,7 +236,7 @@ def add_responses_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig
 
         if body.stream:
             return StreamingResponse(response.stream(run, store), media_type="text/event-stream")
-        return await _unless_disconnected(request, response.whole(run, store))
+        return await unless_disconnected(request, response.whole(run, store))
 
     create.__annotations__["body"] = request_schema(ResponsesRequest, config)
     app.post("/v1/responses")(create)

@@ -28,40 +28,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from serve import api_checks
+from serve.api_anthropic import add_messages_routes
 from serve.api_checks import FieldError
+from serve.api_common import (APIError, ServerConfig, bad_request, check_model, error_response, forced_outputs,
+                              forced_tokens, submit, unless_disconnected)
 from serve.api_outputs import ChatChoice, CompletionChoice, Totals
 from serve.api_protocol import ChatCompletionRequest, ChatRequestWithTestHook, CompletionRequest
-from serve.async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed, RequestGroup
+from serve.api_responses import add_responses_routes
+from serve.api_tokenize import add_tokenizer_routes
+from serve.async_engine import AsyncEngine, RequestFailed
 from serve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    model_name: str  # what clients put in `model`
-    model_path: str
-    api_key: str | None = None  # when set, /v1 routes need `Authorization: Bearer <api_key>`
-    max_body_bytes: int = 16 << 20
-    max_n: int = 128  # choices (n, best_of) one request may ask for
-    # TESTING ONLY: lets a chat request force the model's output (`k3jax_test_forced_output`).
-    enable_test_hooks: bool = False
-
-
-RETRY_AFTER_S = 1  # what a 503 tells clients to wait: a queue slot frees when any request finishes
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -94,19 +72,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                                             "max_model_len": engine.max_model_len}]}
 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, config)
+        check_model(body.model, config)
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "messages: this model has no tokenizer files, which chat needs; use "
                                 "/v1/completions with token ids", param="messages")
-        with _bad_request():
+        with bad_request():
             body.check_unsupported()
             _check_choices(body.n, 1, config, engine)
             api_checks.check_nesting(body)
             thinking, effort = body.thinking()
             tools, tool_choice = body.tool_prompt()
             params = [body.chat_sampling_params(i) for i in range(body.n)]
-            forced = _forced_tokens(body, tokenizer)
+            forced = forced_tokens(body, tokenizer)
             prompt = await api_checks.chat_prompt_ids(tokenizer, body.messages, engine.max_model_len, tools=tools,
                                                       thinking=thinking, thinking_effort=effort,
                                                       tool_choice=tool_choice, response_format=body.response_format)
@@ -115,13 +93,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         choices = [ChatChoice(i, tokenizer, thinking=thinking, tools=tools if body.parses_tool_calls() else None,
                               top_logprobs=params[i].logprobs) for i in range(body.n)]
         response = _Response("chatcmpl", "chat.completion", "chat.completion.chunk", config.model_name, body.n)
-        group = await _submit(engine, [(prompt, p) for p in params], rename={"prompt": "messages"})
-        outputs = group if forced is None else _forced_outputs(group, forced, tokenizer)
+        group = await submit(engine, [(prompt, p) for p in params], rename={"prompt": "messages"})
+        outputs = group if forced is None else forced_outputs(group, forced, tokenizer)
         if body.stream:
             return StreamingResponse(response.stream(group, outputs, choices, body.include_usage,
                                                      first=[c.first_delta() for c in choices]),
                                      media_type="text/event-stream")
-        return await _unless_disconnected(request, response.whole(group, outputs, choices))
+        return await unless_disconnected(request, response.whole(group, outputs, choices))
 
     # The test hook's field exists only in the schema of a server started with its flag.
     chat_completions.__annotations__["body"] = ChatRequestWithTestHook if config.enable_test_hooks \
@@ -130,8 +108,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, config)
-        with _bad_request():
+        check_model(body.model, config)
+        with bad_request():
             body.check_unsupported()
             prompts = body.prompts()
             _check_choices(body.n, len(prompts), config, engine)
@@ -142,12 +120,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                                                              engine.max_model_len)
         choices = [CompletionChoice(i, engine.tokenizer, logprobs=body.logprobs) for i in range(len(prompts) * body.n)]
         response = _Response("cmpl", "text_completion", "text_completion", config.model_name, body.n)
-        group = await _submit(engine, [(prompt, p) for prompt in prompts for p in params])
+        group = await submit(engine, [(prompt, p) for prompt in prompts for p in params])
         if body.stream:
             return StreamingResponse(response.stream(group, group, choices, body.include_usage),
                                      media_type="text/event-stream")
-        return await _unless_disconnected(request, response.whole(group, group, choices))
+        return await unless_disconnected(request, response.whole(group, group, choices))
 
+    add_messages_routes(app, engine, config)
+    add_responses_routes(app, engine, config)
+    add_tokenizer_routes(app, engine, config)
     return app
 
 
@@ -218,74 +199,6 @@ def _check_choices(n: int, num_prompts: int, config: ServerConfig, engine: Async
                               f"server holds at most {engine.capacity} at once")
 
 
-def _forced_tokens(body: ChatCompletionRequest, tokenizer) -> list[int] | None:
-    """TESTING ONLY: the tokens `k3jax_test_forced_output` asks the engine's output to be replaced by."""
-    forced = getattr(body, "k3jax_test_forced_output", None)
-    return None if forced is None else tokenizer.encode(forced, allow_special=True)
-
-
-async def _forced_outputs(group: RequestGroup, forced: list[int], tokenizer) -> AsyncIterator:
-    """TESTING ONLY: the engine's output deltas with their tokens replaced by the next ones of
-    `forced` (the engine was asked for exactly that many tokens), finishing with "stop" once all of
-    them are out."""
-    sent = {}
-    decoders = {}
-    async for index, output in group:
-        start = sent.get(index, 0)
-        token_ids = forced[start:start + len(output.token_ids)]
-        sent[index] = start + len(token_ids)
-        decoder = decoders.setdefault(index, tokenizer.incremental_decoder())
-        text = "".join(decoder.feed(t) for t in token_ids) + (decoder.finish() if output.finished else "")
-        finish_reason = "stop" if output.finished and sent[index] == len(forced) else output.finish_reason
-        yield index, dataclasses.replace(output, token_ids=token_ids, text=text, finish_reason=finish_reason,
-                                         logprobs=None)
-
-
-async def _submit(engine: AsyncEngine, requests, rename: dict[str, str] | None = None) -> RequestGroup:
-    try:
-        return await engine.submit(requests)
-    except ValueError as error:
-        error = api_checks.field_error(error, rename)
-        raise APIError(400, str(error), param=error.param) from error
-    except (QueueFull, EngineDead) as error:
-        raise APIError(503, str(error)) from error
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
-    """Runs `work`, cancelling it if the client disconnects first (its `finally` aborts the engine
-    requests). A streaming response notices a disconnect by itself; a plain one would not."""
-    work = asyncio.ensure_future(work)
-    disconnected = asyncio.ensure_future(_disconnect(request))
-    await asyncio.wait((work, disconnected), return_when=asyncio.FIRST_COMPLETED)
-    disconnected.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work
-    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-
-
-async def _disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _check_model(model: str, config: ServerConfig) -> None:
-    if model != config.model_name:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-
-
-@contextlib.contextmanager
-def _bad_request():
-    """Turns the ValueErrors of request checks (their messages start with the field) into 400s."""
-    try:
-        yield
-    except ValueError as error:
-        error = api_checks.field_error(error)
-        raise APIError(400, str(error), param=error.param) from error
-
-
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request, error: APIError):
@@ -344,16 +257,18 @@ class _BodySizeLimit:
 
 
 class _APIKeyCheck:
-    """401 unless a /v1 request carries `Authorization: Bearer <api_key>` (health and metrics stay open)."""
+    """401 unless a /v1 request carries `Authorization: Bearer <api_key>`, or `x-api-key: <api_key>` as
+    Anthropic's clients send it (health, metrics and the tokenizer routes stay open, as in vLLM)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer, self.key = f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self.bearer)
+            if not (bearer_ok or secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 return await error_response(401, "invalid or missing API key",
                                             code="invalid_api_key")(scope, receive, send)
         await self.app(scope, receive, send)

@@ -6,14 +6,19 @@ A text prompt is tokenized as `/v1/completions` tokenizes it (special-token text
 becomes the special token, as Hugging Face tokenizers and vLLM do: the harness finds the EOS id by
 tokenizing the EOS token's text); chat messages as `/v1/chat/completions` renders them. K3's prompt
 format is its Python encoder, not a Jinja template, so `/tokenizer_info` has no `chat_template`.
-The handlers raise ValueErrors that name the field; the server turns them into 400s.
+The handlers raise ValueErrors that name the field, which the routes answer with 400s.
 """
 
 from __future__ import annotations
 
+import asyncio
+
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
+from serve.api_common import APIError, ServerConfig, bad_request, check_model
 from serve.api_protocol import ChatCompletionRequest
+from serve.async_engine import AsyncEngine
 from serve.chat import tokenize_messages
 
 
@@ -72,3 +77,29 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
             "pad_token": tokenizer.pad_token,
             "added_tokens_decoder": {str(i): {"content": name, "special": True}
                                      for name, i in sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])}}
+
+
+def add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> None:
+    def tokenizer_of(field: str):
+        if engine.tokenizer is None:
+            raise APIError(400, f"{field}: this model has no tokenizer files", param=field)
+        return engine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeChat | TokenizeCompletion):
+        if body.model is not None:
+            check_model(body.model, config)
+        tokenizer = tokenizer_of("messages" if isinstance(body, TokenizeChat) else "prompt")
+        with bad_request():  # tiktoken releases the GIL: a long prompt keeps the event loop free
+            return await asyncio.to_thread(tokenize, tokenizer, body, engine.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: Detokenize):
+        if body.model is not None:
+            check_model(body.model, config)
+        with bad_request():
+            return detokenize(tokenizer_of("tokens"), body, engine.vocab_size)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        return tokenizer_info(tokenizer_of("tokenizer"), engine.max_model_len)

@@ -1,13 +1,12 @@
 """Anthropic's Messages API (serve/api_anthropic.py) end to end through the official `anthropic`
-client, on one k3-tiny server for the module (tests/serve/extra_api_server.py); tool use and
+client, on one k3-tiny server for the module (python -m k3jax.serve); tool use and
 thinking through the test hook that forces the model's output."""
 
 import anthropic
 import pytest
 
 from serve.api_anthropic import CountTokensRequest
-from tests.serve import extra_api_server
-from tests.serve.test_server import API_KEY, MODEL, TOOL_CALL_OUTPUT, wait_idle
+from tests.serve.test_server import API_KEY, MODEL, TOOL_CALL_OUTPUT, start_server, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 WEATHER = {"name": "get_weather", "description": "Weather by city",
@@ -17,13 +16,13 @@ INSTANT_OUTPUT = "Hi there!<|close|>response<|sep|><|close|>message<|sep|><|end_
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from extra_api_server.start(tmp_path_factory)
+    yield from start_server(tmp_path_factory, "--max-model-len", "1024", "--max-num-seqs", "2",
+                            "--max-num-batched-tokens", "16", "--max-num-partial-prefills", "1", "--enable-test-hooks")
 
 
 def client(server) -> anthropic.Anthropic:
-    # The server takes its key as a bearer token, which the client sends as its `auth_token`.
-    return anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), auth_token=API_KEY, max_retries=0,
-                               timeout=300)
+    # the client sends its key as Anthropic's x-api-key header, which the server accepts beside a bearer token
+    return anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def create(server, **kwargs):

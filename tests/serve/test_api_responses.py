@@ -1,5 +1,5 @@
 """OpenAI's Responses API (serve/api_responses.py) end to end through the official `openai` client,
-on one k3-tiny server for the module (tests/serve/extra_api_server.py); reasoning and function
+on one k3-tiny server for the module (python -m k3jax.serve); reasoning and function
 calls through the test hook that forces the model's output."""
 
 import itertools
@@ -8,8 +8,7 @@ import json
 import openai
 import pytest
 
-from tests.serve import extra_api_server
-from tests.serve.test_server import LONG, MODEL, TOOL_CALL_OUTPUT, wait_idle
+from tests.serve.test_server import LONG, MODEL, TOOL_CALL_OUTPUT, start_server, wait_idle
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather by city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -18,7 +17,8 @@ INSTANT = {"effort": "none"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from extra_api_server.start(tmp_path_factory)
+    yield from start_server(tmp_path_factory, "--max-model-len", "1024", "--max-num-seqs", "2",
+                            "--max-num-batched-tokens", "16", "--max-num-partial-prefills", "1", "--enable-test-hooks")
 
 
 def create(server, **kwargs):

@@ -75,24 +75,32 @@ class Server:
         return samples
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def start_server(tmp_path_factory, *args: str, cache: str | None = None):
+    """A module fixture's server: `python -m k3jax.serve` on k3-tiny in float32 on a free port, with
+    the test API key and `args`; yields its Server and stops it afterwards."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cache = str(tmp_path_factory.mktemp("cache"))
+    cache = cache or str(tmp_path_factory.mktemp("cache"))
     env = {**os.environ, "K3JAX_CACHE": cache}
     command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--api-key", API_KEY,
-               "--max-model-len", "1024", "--max-num-seqs", str(MAX_RUNNING), "--max-num-batched-tokens", "16",
-               "--max-num-partial-prefills", "1", "--max-queued-requests", str(MAX_QUEUED),
-               "--max-request-body-bytes", str(MAX_BODY_BYTES), "--enable-test-hooks", "--log-level", "warning"]
+               "--log-level", "warning", *args]
     with open(log, "w") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
                                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     try:
-        url = _wait_for_url(process, log)
-        yield Server(url, cache)
+        server = Server(_wait_for_url(process, log), cache)
+        server.process = process
+        yield server
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from start_server(tmp_path_factory, "--max-model-len", "1024", "--max-num-seqs", str(MAX_RUNNING),
+                            "--max-num-batched-tokens", "16", "--max-num-partial-prefills", "1",
+                            "--max-queued-requests", str(MAX_QUEUED), "--max-request-body-bytes", str(MAX_BODY_BYTES),
+                            "--enable-test-hooks")
 
 
 def _wait_for_url(process, log) -> str:
@@ -355,3 +363,29 @@ def test_clients_disconnecting_mid_stream_free_the_pool(server):
         stream.close()
     assert_pool_full_and_serving(server)
     assert server.metrics()['k3jax:request_success_total{finished_reason="abort"}'] - before == 8
+
+
+def test_tokenizer_routes_speak_for_the_served_tokenizer(server):
+    """/tokenizer_info, /tokenize and /detokenize as lm-evaluation-harness's remote tokenizer calls
+    them (no API key: they are open, as in vLLM); a chat body gives the chat endpoint's prompt size."""
+    status, body = server.request("GET", "/tokenizer_info")
+    info = json.loads(body)
+    assert status == 200 and info["eos_token"] == "[EOS]" and info["model_max_length"] == 1024
+    status, body = post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    eos = json.loads(body)["tokens"]
+    assert status == 200 and len(eos) == 1 and eos[0] in load_tokenizer(default_model_dir()).eos_token_ids
+    status, body = post(server, "/tokenize", {"prompt": "Hello there"})
+    tokens = json.loads(body)["tokens"]
+    status, body = post(server, "/detokenize", {"tokens": tokens})
+    assert status == 200 and json.loads(body) == {"prompt": "Hello there"}
+    usage = chat(server, max_tokens=1).usage.prompt_tokens
+    status, body = post(server, "/tokenize", {"model": MODEL, "messages": USER})
+    assert status == 200 and json.loads(body)["count"] == usage
+    status, body = post(server, "/detokenize", {"tokens": [1, 10 ** 6]})
+    assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
+    status, _ = post(server, "/tokenize", {"model": "other", "prompt": "x"})
+    assert status == 404
+
+
+def post(server, path: str, body: dict) -> tuple[int, bytes]:
+    return server.request("POST", path, json.dumps(body).encode(), {"content-type": "application/json"})

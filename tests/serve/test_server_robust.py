@@ -9,17 +9,14 @@ One server for the module (its last test stops it), without --enable-test-hooks.
 
 import concurrent.futures
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
-import openai
 import pytest
 
-from tests.serve.test_server import API_KEY, LONG, MODEL, USER, Server, _wait_for_url, wait_idle
+from tests.serve.test_server import API_KEY, LONG, MODEL, USER, start_server, wait_idle
 
 MAX_RUNNING, MAX_QUEUED, MAX_N = 2, 4, 4
 SHUTDOWN_TIMEOUT_S = 3
@@ -29,22 +26,10 @@ AUTH = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "K3JAX_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--api-key", API_KEY,
-               "--max-model-len", "1024", "--max-num-seqs", str(MAX_RUNNING), "--max-num-batched-tokens", "16",
-               "--max-num-partial-prefills", "1", "--max-queued-requests", str(MAX_QUEUED), "--max-n", str(MAX_N),
-               "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--log-level", "warning"]
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-                                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    try:
-        server = Server(_wait_for_url(process, log))
-        server.process = process
-        yield server
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    yield from start_server(tmp_path_factory, "--max-model-len", "1024", "--max-num-seqs", str(MAX_RUNNING),
+                            "--max-num-batched-tokens", "16", "--max-num-partial-prefills", "1",
+                            "--max-queued-requests", str(MAX_QUEUED), "--max-n", str(MAX_N),
+                            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
 
 
 def post(server, path: str, body: dict, headers=AUTH) -> tuple[int, dict]:

@@ -7,11 +7,8 @@ One engine for the module, one server for the server tests.
 """
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 
 import jsonschema
 import pytest
@@ -20,7 +17,7 @@ from serve.chat.parsing import parse_output
 from serve.llm import LLM
 from serve.sampling import SamplingParams
 from serve.structured import StructuredOutputsParams
-from tests.serve.test_server import API_KEY, MODEL, Server, _wait_for_url
+from tests.serve.test_server import MODEL, start_server
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +88,8 @@ def test_a_bad_grammar_is_refused_naming_the_field(llm):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "K3JAX_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--api-key", API_KEY,
-               "--max-model-len", "1024", "--max-num-seqs", "4", "--enable-prefix-caching", "--log-level", "warning"]
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-                                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    try:
-        yield Server(_wait_for_url(process, log))
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    yield from start_server(tmp_path_factory, "--max-model-len", "1024", "--max-num-seqs", "4",
+                            "--enable-prefix-caching")
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
