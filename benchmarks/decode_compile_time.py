@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from benchmarks.report import report
 from k3jax.config import K3Config
-from k3jax.model import K3Model, _forward
+from k3jax.model import K3Model, _extend
 from k3jax.presets import K3_TINY_TEXT, _k3, _k3_layer_lists
 
 
@@ -33,7 +33,7 @@ def compile_seconds(cfg: K3Config, batch: int = 4, max_len: int = 64) -> float:
     tokens = jnp.zeros((batch, 1), jnp.int32)
     lengths = jnp.ones((batch,), jnp.int32)
     start = time.perf_counter()
-    _forward.lower(model.structure, model.params, tokens, lengths, cache).compile()
+    _extend.lower(model.structure, model.params, tokens, lengths, cache).compile()
     return time.perf_counter() - start
 
 

@@ -122,7 +122,7 @@ def train_dense_tiny(steps: int) -> tuple[dict, nnx.State]:
     optimizer = optax.masked(optax.adam(3e-3), floating)
 
     def loss(params, tokens):
-        logits, _ = nnx.merge(model.graphdef, params)(tokens[:, :-1])
+        logits = nnx.merge(model.graphdef, params).forward(tokens[:, :-1]).logits
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
 
     @jax.jit

@@ -54,9 +54,8 @@ def make_step():
     """A fresh jit, traced under whatever K3JAX_KERNELS holds at its first call."""
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
     def step(structure, params, pools, tokens, lengths, offsets, slots, table):
-        logits, state = structure.merge(params)(tokens, lengths, PagedState(pools, offsets, slots, table),
-                                                last_only=True)
-        return logits, state.layers
+        out = structure.merge(params).step(tokens, lengths, PagedState(pools, offsets, slots, table), last_only=True)
+        return out.logits, out.state.layers
     return step
 
 

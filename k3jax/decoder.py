@@ -1,5 +1,7 @@
-"""The decoder stack: embedding, the layers, final read, norm and LM head. One forward serves
-full-sequence, prefill and decode calls (ARCHITECTURE.md, "Shape of the decoder").
+"""The decoder stack: embedding, the layers, final read, norm and LM head (ARCHITECTURE.md, "Shape
+of the decoder"). `K3Transformer` has one entry point per mode (full forward, per-sequence caches,
+the engine's pooled step, the speculative verify), each returning one NamedTuple; one layer loop
+serves them all.
 
 Every layer owns its parameters and its caches (no stacked [layers, ...] arrays), and the forward
 runs the layers in a Python loop, so each weight and cache is a buffer of its own that a step reads
@@ -79,12 +81,39 @@ class TapSpec:
             raise ValueError(f"tap kind {self.kind!r} is not one of {TAP_KINDS}")
 
 
-class Aux(NamedTuple):
-    """Extra outputs of a forward: the tapped hidden states [B, T, len(layers) * H] (activation dtype)
-    and, in a verify step, the KDA records in layer order (None at MLA layers)."""
+class ForwardOut(NamedTuple):
+    """`K3Transformer.forward`: logits f32 [B, T, V] and, when a `TapSpec` was given, the tapped
+    hidden states [B, T, len(taps.layers) * H] (activation dtype; else None)."""
 
+    logits: jax.Array
     taps: jax.Array | None
-    records: tuple | None
+
+
+class ExtendOut(NamedTuple):
+    """`K3Transformer.extend`: logits f32 [B, T, V] and the caches holding the new tokens too."""
+
+    logits: jax.Array
+    state: DecodeState
+
+
+class StepOut(NamedTuple):
+    """`K3Transformer.step`: logits f32 [B, T, V] (with `last_only`, [B, V]), the pools after the step
+    and the taps as in `ForwardOut`."""
+
+    logits: jax.Array
+    state: PagedState
+    taps: jax.Array | None
+
+
+class VerifyOut(NamedTuple):
+    """`K3Transformer.verify`: logits f32 [B, W, V] of every window position, the pools (MLA rows
+    written, KDA slots untouched), the taps as in `ForwardOut`, and the KDA records in layer order
+    (None at MLA layers) that `commit_record` folds into the slots once the accepted length is known."""
+
+    logits: jax.Array
+    state: PagedState
+    taps: jax.Array | None
+    records: tuple
 
 
 def _residual_sum(stream):
@@ -136,7 +165,10 @@ class DecoderLayer(nnx.Module):
 
 
 class K3Transformer(nnx.Module):
-    """The text decoder as an NNX module; use it functionally through `forward` (caches live outside)."""
+    """The text decoder as an NNX module, used functionally (caches live outside): one entry point per
+    mode, each with one fixed result, all running the same layer loop (`_layers`) and head (`_head`):
+    `forward` (no cache), `extend` (per-sequence caches, `DecodeState`), `step` and `verify` (the
+    serving engine's pools, `PagedState`; `verify` is the speculative window, KDA layers recording)."""
 
     def __init__(self, cfg: K3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         h = cfg.hidden_size
@@ -153,30 +185,48 @@ class K3Transformer(nnx.Module):
     def dtype(self):
         return self.embed_tokens.dtype
 
-    def __call__(self, tokens, lengths=None, cache: DecodeState | PagedState | None = None, *, last_only=False,
-                 taps: TapSpec | None = None, record: bool = False):
-        """tokens [B, T] (right-padded), lengths [B] real tokens (default T) -> (logits f32 [B, T, V], cache).
+    def forward(self, tokens, lengths=None, *, taps: TapSpec | None = None) -> ForwardOut:
+        """The full causal forward without a cache: tokens [B, T] (right-padded), lengths [B] real
+        tokens (default T)."""
+        batch = _batch(tokens, lengths)
+        h, _, tapped = self._layers(tokens, batch, (None,) * len(self.layers), taps)
+        return ForwardOut(self._head(h), tapped)
 
-        `last_only`: logits of each row's last real token only, [B, V] (what a serving step samples from).
-        `taps` and `record` (a speculative verify over pooled caches: KDA slots are not written, see
-        `KimiDeltaAttention`) add a third result, `Aux`.
-        """
+    def extend(self, tokens, lengths, state: DecodeState) -> ExtendOut:
+        """Prefill or decode over per-sequence caches: tokens [B, T] follow the `state.lengths` tokens
+        each sequence already holds (T = 1 for a decode step)."""
+        batch = _batch(tokens, lengths, state.lengths)
+        h, caches, _ = self._layers(tokens, batch, state.layers, None)
+        return ExtendOut(self._head(h), DecodeState(caches, batch.offsets + batch.lengths))
+
+    def step(self, tokens, lengths, state: PagedState, *, last_only: bool = False,
+             taps: TapSpec | None = None) -> StepOut:
+        """A serving step over the engine's pools: prefill chunks and decodes, each row in its slot and
+        pages. `last_only`: logits of each row's last real token only, [B, V] (what a step samples from)."""
+        batch = _batch(tokens, lengths, state.offsets, state.slots, state.page_table)
+        h, caches, tapped = self._layers(tokens, batch, state.layers, taps)
+        return StepOut(self._head(h, batch.lengths if last_only else None), state._replace(layers=caches), tapped)
+
+    def verify(self, tokens, lengths, state: PagedState, *, taps: TapSpec | None = None) -> VerifyOut:
+        """A speculative verify over the engine's pools: each row's window (its last token, then the
+        drafts) is written to its MLA pages like a step's, but the KDA layers leave their slots as they
+        are and record the window instead (`KimiDeltaAttention`), since how much of it stays is known
+        only after rejection sampling."""
+        batch = _batch(tokens, lengths, state.offsets, state.slots, state.page_table, record=True)
+        h, caches, tapped = self._layers(tokens, batch, state.layers, taps)
+        records = tuple(c.record if isinstance(c, Recorded) else None for c in caches)
+        pools = tuple(c.pool if isinstance(c, Recorded) else c for c in caches)
+        return VerifyOut(self._head(h), state._replace(layers=pools), tapped, records)
+
+    def _layers(self, tokens, batch: Batch, caches: tuple, taps: TapSpec | None):
+        """The embedding, every layer and the final read: (h [B, T, H] before the norm, the layers'
+        new caches, the tapped hidden states [B, T, len(taps.layers) * H] or None)."""
         cfg = self.cfg
-        b, t = tokens.shape
-        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        valid = jnp.arange(t)[None, :] < lengths[:, None]
-        if isinstance(cache, PagedState):
-            batch = Batch(valid, lengths, cache.offsets, cache.slots, cache.page_table, record)
-        elif record:
-            raise ValueError("record=True needs the engine's pooled caches (PagedState)")
-        else:
-            batch = Batch(valid, lengths, cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32))
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
         stream = attn_res.start_stream(x, cfg.num_attn_res_blocks) if cfg.attn_res else x
         tapped = {}  # layer index -> its tap [B, T, H]
-        layer_caches = cache.layers if cache is not None else (None,) * len(self.layers)
         new_caches = []
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, layer_caches)):
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):
             stream, layer_cache, mix = layer(stream, i, layer_cache, batch)
             new_caches.append(layer_cache)
             if taps is not None and taps.kind == "residual_sum":
@@ -187,10 +237,18 @@ class K3Transformer(nnx.Module):
             h = attn_res.final_read(stream, self.output_attn_res, cfg.rms_norm_eps).astype(x.dtype)
         else:
             h = stream
-        if taps is not None and taps.kind == "next_mixture":  # the last layer's tap is the output read
+        if taps is None:
+            return h, tuple(new_caches), None
+        if taps.kind == "next_mixture":  # the last layer's tap is the output read
             tapped[cfg.num_hidden_layers - 1] = h
-        if last_only:
-            h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+        return h, tuple(new_caches), jnp.concatenate([tapped[i].astype(x.dtype) for i in taps.layers], axis=-1)
+
+    def _head(self, h, last_of=None):
+        """Final norm and LM head: f32 logits of every position, or with `last_of` ([B] real token
+        counts) of each row's last real token only, [B, V] (the norm and head then run on B rows, not B * T)."""
+        cfg = self.cfg
+        if last_of is not None:
+            h = jnp.take_along_axis(h, jnp.maximum(last_of - 1, 0)[:, None, None], axis=1)[:, 0]
         h = self.norm(h)
         if cfg.tie_word_embeddings:
             logits = jnp.dot(h, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
@@ -198,21 +256,17 @@ class K3Transformer(nnx.Module):
             logits = self.lm_head(h, jnp.float32)
         if cfg.logit_scale != 1.0:
             logits = logits * cfg.logit_scale
-        aux = None
-        if taps is not None or record:
-            records = None
-            if record:  # split the KDA records from the pools
-                records = tuple(c.record if isinstance(c, Recorded) else None for c in new_caches)
-                new_caches = [c.pool if isinstance(c, Recorded) else c for c in new_caches]
-            tap_rows = None
-            if taps is not None:  # [B, T, taps * H], in the order of taps.layers
-                tap_rows = jnp.concatenate([tapped[i].astype(x.dtype) for i in taps.layers], axis=-1)
-            aux = Aux(tap_rows, records)
-        if isinstance(cache, PagedState):
-            out = logits, cache._replace(layers=tuple(new_caches))
-        else:
-            out = logits, DecodeState(tuple(new_caches), batch.offsets + lengths) if cache is not None else None
-        return out if aux is None else (*out, aux)
+        return logits
+
+
+def _batch(tokens, lengths, offsets=None, slots=None, page_table=None, *, record: bool = False) -> Batch:
+    """The `Batch` of tokens [B, T] with `lengths` [B] real tokens each (None: all T) after `offsets`
+    cached ones (None: none)."""
+    b, t = tokens.shape
+    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    offsets = jnp.zeros((b,), jnp.int32) if offsets is None else offsets
+    return Batch(valid, lengths, offsets, slots, page_table, record)
 
 
 def init_cache(cfg: K3Config, batch: int, max_len: int, dtype) -> DecodeState:

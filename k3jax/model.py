@@ -50,9 +50,14 @@ class Structure:
         return nnx.merge(self.graphdef, params)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(structure, params, tokens, lengths):
+    return structure.merge(params).forward(tokens, lengths).logits
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _forward(structure, params, tokens, lengths, cache):
-    return structure.merge(params)(tokens, lengths, cache)
+def _extend(structure, params, tokens, lengths, cache):
+    return structure.merge(params).extend(tokens, lengths, cache)
 
 
 class K3Model:
@@ -106,7 +111,7 @@ class K3Model:
     def logits(self, input_ids, lengths=None) -> np.ndarray:
         """Full causal forward without a cache: float32 [B, T, vocab]."""
         tokens, lengths = self._tokens(input_ids, lengths)
-        logits, _ = self._run(tokens, lengths, None)
+        logits = self._run(_logits, tokens, lengths)
         if not logits.is_fully_addressable:  # a mesh over several processes: every process gets all
             logits = multihost_utils.process_allgather(logits, tiled=True)
         return np.asarray(logits)
@@ -117,14 +122,15 @@ class K3Model:
             return make()
         return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), self.mesh))()
 
-    def _run(self, tokens, lengths, cache):
+    def _run(self, step, tokens, lengths, *cache):
+        """`step` (`_logits`, or `_extend` with the cache) on rows split over `data`."""
         if self.mesh is None:
-            return _forward(self.structure, self.params, tokens, lengths, cache)
+            return step(self.structure, self.params, tokens, lengths, *cache)
         batch = rows_sharding(self.mesh)
         if tokens.shape[0] % data_size(self.mesh):
             raise ValueError(f"a batch of {tokens.shape[0]} sequences does not divide over data={self.mesh.shape['data']}")
         with jax.set_mesh(self.mesh):
-            return _forward(self.structure, self.params, put(tokens, batch), put(lengths, batch), cache)
+            return step(self.structure, self.params, put(tokens, batch), put(lengths, batch), *cache)
 
     def prefill(self, input_ids, lengths=None, *, max_len: int | None = None, cache: DecodeState | None = None):
         """Runs the prompt (right-padded [B, T], `lengths` real tokens each) and returns
@@ -132,12 +138,12 @@ class K3Model:
         tokens, lengths = self._tokens(input_ids, lengths)
         if cache is None:
             cache = self.init_cache(tokens.shape[0], max_len or tokens.shape[1])
-        return self._run(tokens, lengths, cache)
+        return self._run(_extend, tokens, lengths, cache)
 
     def decode(self, tokens, cache: DecodeState):
         """One token per sequence: tokens [B] -> (logits float32 [B, vocab], cache)."""
         tokens = jnp.asarray(tokens, jnp.int32).reshape(-1, 1)
-        logits, cache = self._run(tokens, jnp.ones((tokens.shape[0],), jnp.int32), cache)
+        logits, cache = self._run(_extend, tokens, jnp.ones((tokens.shape[0],), jnp.int32), cache)
         return logits[:, 0], cache
 
     def _tokens(self, input_ids, lengths):

@@ -49,9 +49,9 @@ def _step(structure, params, pools, tokens, lengths, offsets, slots, page_table,
     tokens: [rows, T], or [rows] for a decode step (what the sampler returns, so a step the engine
     runs ahead takes the previous step's samples as they are)."""
     tokens = tokens.reshape(lengths.shape[0], -1)
-    model = structure.merge(params)
-    out = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), last_only=True, taps=taps)
-    return out[0], out[1].layers, out[2].taps if taps is not None else None
+    out = structure.merge(params).step(tokens, lengths, PagedState(pools, offsets, slots, page_table),
+                                       last_only=True, taps=taps)
+    return out.logits, out.state.layers, out.taps
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
@@ -59,10 +59,8 @@ def _verify(structure, params, pools, tokens, lengths, offsets, slots, page_tabl
     """A speculative window per row: logits of every position [rows, W, V], the pools (MLA rows
     written for the whole window, KDA slots untouched), the taps and the KDA records."""
     tokens = tokens.reshape(lengths.shape[0], -1)  # [rows] when the window is one token (as in `_step`)
-    model = structure.merge(params)
-    logits, state, aux = model(tokens, lengths, PagedState(pools, offsets, slots, page_table), taps=taps,
-                               record=True)
-    return logits, state.layers, aux.taps, aux.records
+    out = structure.merge(params).verify(tokens, lengths, PagedState(pools, offsets, slots, page_table), taps=taps)
+    return out.logits, out.state.layers, out.taps, out.records
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -143,7 +143,7 @@ def _patched_route(flips, router_tol):
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, params, tokens, flips, router_tol):
     with _patched_route(flips, router_tol):  # traced once per shape; the trace keeps the patched route
-        return nnx.merge(graphdef, params)(tokens)[0]
+        return nnx.merge(graphdef, params).forward(tokens).logits
 
 
 @dataclasses.dataclass

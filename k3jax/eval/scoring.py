@@ -24,7 +24,7 @@ from sharding.mesh import DATA, data_size, rows_sharding
 def _score(structure, params, tokens, lengths, starts):
     """Per row: sum over scored positions t in [start, length) of log p(tokens[t] | tokens[:t]), and
     whether every scored token is the argmax of its prediction."""
-    logits, _ = structure.merge(params)(tokens, lengths)
+    logits = structure.merge(params).forward(tokens, lengths).logits
     pred = logits[:, :-1]  # position t-1 predicts token t
     target = tokens[:, 1:]
     picked = jnp.take_along_axis(pred, target[..., None], axis=-1)[..., 0]

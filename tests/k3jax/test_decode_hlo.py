@@ -20,7 +20,7 @@ import pytest
 from k3jax.config import K3Config
 from k3jax.hlo import materialised_buffers
 from k3jax.decoder import init_pools
-from k3jax.model import K3Model, _forward
+from k3jax.model import K3Model, _extend
 from serve.runner import _step
 from tests.k3jax.tiny_configs import KIMI_LINEAR_TINY, k3_tiny_dict
 
@@ -83,8 +83,8 @@ def test_a_scan_over_stacked_weights_shows_its_copies():
 
 def test_cached_decode_step_copies_no_weight(model):
     cache = model.init_cache(1, 64)
-    text = _forward.lower(model.structure, model.params, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
-                          cache).compile().as_text()
+    text = _extend.lower(model.structure, model.params, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                         cache).compile().as_text()
     assert not over_the_bound(text, model.config)
 
 

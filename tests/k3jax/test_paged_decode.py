@@ -28,8 +28,8 @@ STEPS = 4
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, params, pools, tokens, lengths, offsets, slots, table):
-    logits, state = nnx.merge(graphdef, params)(tokens, lengths, PagedState(pools, offsets, slots, table))
-    return logits, state.layers
+    out = nnx.merge(graphdef, params).step(tokens, lengths, PagedState(pools, offsets, slots, table))
+    return out.logits, out.state.layers
 
 
 def garbage_pools(cfg, dtype):

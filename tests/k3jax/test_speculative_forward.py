@@ -31,10 +31,10 @@ def model(request):
     return K3Model.random(cfg, dtype="float32", seed=0).with_fixed_routing()
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("record", "taps"))
-def _forward(graphdef, params, pools, tokens, lengths, offsets, slots, table, *, record=False, taps=None):
-    return nnx.merge(graphdef, params)(tokens, lengths, PagedState(pools, offsets, slots, table), record=record,
-                                       taps=taps)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="verify")
+def _forward(graphdef, params, pools, tokens, lengths, offsets, slots, table, *, verify=False):
+    module, state = nnx.merge(graphdef, params), PagedState(pools, offsets, slots, table)
+    return module.verify(tokens, lengths, state) if verify else module.step(tokens, lengths, state)
 
 
 def _call(model, pools, rows, **kw):
@@ -61,21 +61,22 @@ def test_commit_after_a_verify_window_equals_decoding_the_accepted_tokens(model)
     windows = [rng.integers(0, cfg.vocab_size, 6).tolist() for _ in prompts]
     accepted = np.array([2, 6], np.int32)  # a partial acceptance, and the whole window
     pools = init_pools(cfg, num_slots=SLOTS, num_pages=PAGES, page_size=PAGE, dtype=jnp.float32)
-    _, state = _call(model, pools, [(p, 0, 1 + i) for i, p in enumerate(prompts)])
+    _, state, _ = _call(model, pools, [(p, 0, 1 + i) for i, p in enumerate(prompts)])
     prefilled = state.layers
 
-    logits, verified, aux = _call(model, jax.tree.map(jnp.copy, prefilled),
-                                  [(w, len(p), 1 + i) for i, (p, w) in enumerate(zip(prompts, windows))], record=True)
+    logits, verified, _, records = _call(model, jax.tree.map(jnp.copy, prefilled),
+                                         [(w, len(p), 1 + i) for i, (p, w) in enumerate(zip(prompts, windows))],
+                                         verify=True)
     for before, after in zip(_kda_pools(prefilled), _kda_pools(verified.layers)):  # the slots are untouched
         np.testing.assert_array_equal(np.asarray(before.state), np.asarray(after.state))
     slots = jnp.array([1, 2], jnp.int32)
     committed = [commit_record(pool, record, slots, jnp.asarray(accepted))
-                 for pool, record in zip(verified.layers, aux.records) if record is not None]
+                 for pool, record in zip(verified.layers, records) if record is not None]
 
     decoded = prefilled  # the reference: one plain decode step per accepted token
     for i, (prompt, window) in enumerate(zip(prompts, windows)):
         for j in range(accepted[i]):
-            step_logits, state = _call(model, decoded, [([window[j]], len(prompt) + j, 1 + i)])
+            step_logits, state, _ = _call(model, decoded, [([window[j]], len(prompt) + j, 1 + i)])
             decoded = state.layers
             # the window's MLA runs the naive form, a decode the absorbed one: reassociation, ~1e-6 per layer
             np.testing.assert_allclose(np.asarray(logits[i, j]), np.asarray(step_logits[0, 0]), rtol=1e-4,
@@ -150,13 +151,13 @@ def test_taps_are_the_hidden_states_after_the_listed_layers(model, kind):
     layers = (cfg.num_hidden_layers - 1, 0, 2)  # any order; the last layer included
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
     module = nnx.merge(model.graphdef, model.params)
-    logits, _, aux = module(jnp.asarray(tokens), taps=TapSpec(layers, kind))
+    logits, taps = module.forward(jnp.asarray(tokens), taps=TapSpec(layers, kind))
     residual, next_input = _layer_by_layer(model, jnp.asarray(tokens))
     want = residual if kind == "residual_sum" else next_input
     expected = np.concatenate([np.asarray(want[i]) for i in layers], axis=-1)
     # eager layers against the jitted scan: fp32 reassociation, relative to the streams' scale (~10)
-    np.testing.assert_allclose(np.asarray(aux.taps), expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
-    plain, _ = module(jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(taps), expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+    plain = module.forward(jnp.asarray(tokens)).logits
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain))  # tapping changes nothing else
 
 

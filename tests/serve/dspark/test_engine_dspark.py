@@ -58,13 +58,13 @@ def one_shot_drafts(model, spec, tokens, computed, num_tokens, flips=()):  # noq
 def _one_shot(graphdef, draft_graphdef, taps, cfg, num_tokens, params, draft_params, head, padded, computed, bonus,
               flips):
     with agreement.following(flips):
-        _, _, aux = nnx.merge(graphdef, params)(padded, taps=taps)
+        tapped = nnx.merge(graphdef, params).forward(padded, taps=taps).taps
     num_pages = MAX_LEN // PAGE_SIZE + 2
     table = jnp.arange(1, num_pages, dtype=jnp.int32)[None, :]
     pages = dd.init_draft_pages(cfg, num_pages, PAGE_SIZE, jnp.float32)
     draft = nnx.merge(draft_graphdef, draft_params)
     valid = jnp.arange(MAX_LEN)[None, :] < computed
-    pages = dd.inject_context(draft, pages, aux.taps, valid, jnp.zeros((1,), jnp.int32), table)
+    pages = dd.inject_context(draft, pages, tapped, valid, jnp.zeros((1,), jnp.int32), table)
     drafts, logits, _ = dd.propose(draft, pages, bonus[None], computed[None], table, head,
                                    temperature=jnp.zeros((1,), jnp.float32),
                                    keys=jax.random.split(jax.random.key(0), 1), greedy_only=True, num_tokens=num_tokens)
