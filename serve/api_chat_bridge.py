@@ -113,7 +113,8 @@ def _renamed(error: FieldError, sources: list[str]) -> FieldError:
 async def run_chat(prompt: ChatPrompt, engine: AsyncEngine, input_field: str) -> ChatRun:
     group = await submit(engine, [(prompt.ids, prompt.params)], rename={"prompt": input_field})
     tokenizer = engine.tokenizer
-    return ChatRun(group, group if prompt.forced is None else forced_outputs(group, prompt.forced, tokenizer), prompt)
+    outputs = group if prompt.forced is None else forced_outputs(group, prompt.forced, tokenizer, [prompt.params])
+    return ChatRun(group, outputs, prompt)
 
 
 async def whole_output(run: ChatRun) -> RequestOutput:

@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from serve import api_checks
 from serve.api_protocol import ChatCompletionRequest
 from serve.async_engine import AsyncEngine, EngineDead, QueueFull, RequestGroup
+from serve.detokenizer import OutputText
+from serve.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +52,23 @@ def forced_tokens(body: ChatCompletionRequest, tokenizer) -> list[int] | None:
     return None if forced is None else tokenizer.encode(forced, allow_special=True)
 
 
-async def forced_outputs(group: RequestGroup, forced: list[int], tokenizer) -> AsyncIterator:
+async def forced_outputs(group: RequestGroup, forced: list[int], tokenizer, params: list[SamplingParams]
+                         ) -> AsyncIterator:
     """TESTING ONLY: the engine's output deltas with their tokens replaced by the next ones of
-    `forced` (the engine was asked for exactly that many tokens), finishing with "stop" once all of
-    them are out."""
+    `forced` (the engine was asked for exactly that many tokens), detokenized as the engine would
+    with choice i's `params[i]`, finishing with "stop" once all of them are out."""
     sent = {}
-    decoders = {}
+    texts = {}
     async for index, output in group:
         start = sent.get(index, 0)
         token_ids = forced[start:start + len(output.token_ids)]
         sent[index] = start + len(token_ids)
-        decoder = decoders.setdefault(index, tokenizer.incremental_decoder())
-        text = "".join(decoder.feed(t) for t in token_ids) + (decoder.finish() if output.finished else "")
+        text = texts.setdefault(index, OutputText(tokenizer, params[index]))
+        for token in token_ids:
+            text.feed(token)
+        if output.finished:
+            text.finish()
+        text = text.take(output.finished)
         finish_reason = "stop" if output.finished and sent[index] == len(forced) else output.finish_reason
         yield index, dataclasses.replace(output, token_ids=token_ids, text=text, finish_reason=finish_reason,
                                          logprobs=None)

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from serve.chat.parsing import FORMAT_TOKENS
 from serve.sampling import MAX_LOGPROBS, SamplingParams
 from serve.structured import StructuredOutputsParams
 
@@ -95,6 +96,9 @@ class SamplingRequest(Strict):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # around the special tokens the text keeps
+    include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsRequest | None = None
     # Accepted by OpenAI or vLLM but not served here: refused when set, rather than silently ignored.
     prompt_logprobs: int | None = None
@@ -111,7 +115,7 @@ class SamplingRequest(Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, choice: int, *, max_tokens: int | None, logprobs: int | None,
-                        skip_special_tokens: bool, structured: StructuredOutputsParams | None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None, keep_special_tokens=()) -> SamplingParams:
         """The params of one choice. With a seed, choice i samples with seed + i: the n choices of a
         seeded request differ from each other and are reproducible."""
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -122,7 +126,9 @@ class SamplingRequest(Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=None if self.seed is None else self.seed + choice,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=skip_special_tokens,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, keep_special_tokens=keep_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(), structured_outputs=structured)
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -155,8 +161,8 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        # The output parsers need the channel markers, which are special tokens.
-        return self.sampling_params(choice, max_tokens=max_tokens, skip_special_tokens=False,
+        # The output parser reads the channel markers, which are special tokens: they stay in the text.
+        return self.sampling_params(choice, max_tokens=max_tokens, keep_special_tokens=FORMAT_TOKENS,
                                     logprobs=(self.top_logprobs or 0) if self.logprobs else None,
                                     structured=self.structured())
 
@@ -248,5 +254,4 @@ class CompletionRequest(SamplingRequest):
 
     def completion_sampling_params(self, choice: int) -> SamplingParams:
         structured = self.structured_outputs.params(None) if self.structured_outputs is not None else None
-        return self.sampling_params(choice, max_tokens=self.max_tokens, logprobs=self.logprobs,
-                                    skip_special_tokens=True, structured=structured)
+        return self.sampling_params(choice, max_tokens=self.max_tokens, logprobs=self.logprobs, structured=structured)

@@ -94,7 +94,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                               top_logprobs=params[i].logprobs) for i in range(body.n)]
         response = _Response("chatcmpl", "chat.completion", "chat.completion.chunk", config.model_name, body.n)
         group = await submit(engine, [(prompt, p) for p in params], rename={"prompt": "messages"})
-        outputs = group if forced is None else forced_outputs(group, forced, tokenizer)
+        outputs = group if forced is None else forced_outputs(group, forced, tokenizer, params)
         if body.stream:
             return StreamingResponse(response.stream(group, outputs, choices, body.include_usage,
                                                      first=[c.first_delta() for c in choices]),

@@ -7,11 +7,15 @@ from serve.sampling import SamplingParams
 
 class OutputText:
     """A request's output text, detokenized as tokens arrive; `feed` says when a stop string appeared
-    (the text is then cut before it, as OpenAI and vLLM return it)."""
+    (the text is then cut before it, as OpenAI and vLLM return it, or after it with
+    include_stop_str_in_output)."""
 
     def __init__(self, tokenizer, params: SamplingParams):
-        self.decoder = tokenizer.incremental_decoder(skip_special_tokens=params.skip_special_tokens)
+        self.decoder = tokenizer.incremental_decoder(
+            skip_special_tokens=params.skip_special_tokens, keep_special_tokens=params.keep_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
         self.stops = params.stop
+        self.include_stop = params.include_stop_str_in_output
         self.text = ""
         self.stopped = False
         self.finished = False
@@ -23,9 +27,10 @@ class OutputText:
         start = len(self.text)
         self.text += self.decoder.feed(token)
         # a stop string may straddle the previous text and the new piece; the earliest one wins
-        found = [at for stop in self.stops if (at := self.text.find(stop, max(0, start - len(stop) + 1))) >= 0]
+        found = [(at, stop) for stop in self.stops if (at := self.text.find(stop, max(0, start - len(stop) + 1))) >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            at, stop = min(found)
+            self.text = self.text[:at + len(stop) if self.include_stop else at]
             self.stopped = True
         return self.stopped
 

@@ -83,6 +83,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    keep_special_tokens: Sequence[str] = ()  # kept whatever skip_special_tokens says, never spaced: a parser's markers
+    include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -95,6 +98,7 @@ class SamplingParams:
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "keep_special_tokens", tuple(self.keep_special_tokens))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(bias))
 

@@ -57,6 +57,9 @@ END_OF_MESSAGE = "<|end_of_msg|>"
 
 # Each of these ends the message: its close, or a stop token whose text the detokenizer kept.
 _MESSAGE_ENDS = (MESSAGE_CLOSE, END_OF_MESSAGE, "[EOS]", "[EOT]")
+# The special tokens this parser reads: kept in the text it is given whatever skip_special_tokens says
+# (never spaced), while other special tokens (reserved ids, media tokens) are dropped from it.
+FORMAT_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", END_OF_MESSAGE, "[EOS]", "[EOT]")
 # What ends the reasoning, in thinking mode (see the module docstring for what each means).
 _REASONING_ENDS = (THINK_CLOSE, TOOLS_OPEN, RESPONSE_OPEN, RESPONSE_CLOSE, *_MESSAGE_ENDS)
 # After a response opener met in the reasoning: what shows whether that opener was real.

@@ -111,26 +111,44 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return self._encoding.decode_single_token_bytes(token_id)
 
-    def incremental_decoder(self, *, skip_special_tokens: bool = False) -> IncrementalDecoder:
-        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+    def incremental_decoder(self, *, skip_special_tokens: bool = False, spaces_between_special_tokens: bool = False,
+                            keep_special_tokens: Iterable[str] = ()) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens,
+                                  spaces_between_special_tokens=spaces_between_special_tokens,
+                                  keep=frozenset(self.special_tokens[t] for t in keep_special_tokens
+                                                 if t in self.special_tokens))
 
 
 class IncrementalDecoder:
     """Detokenizes a stream of ids into text deltas. A character split over several tokens is held
     until its last byte arrives, so a delta never ends in half a character; the deltas, with
-    `finish()`'s, join to `tokenizer.decode(all ids)`."""
+    `finish()`'s, join to `tokenizer.decode(all ids)` (without the options below).
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False):
+    skip_special_tokens drops special tokens other than those in `keep`; spaces_between_special_tokens
+    puts a space between a kept special token (other than those in `keep`) and the text or special
+    token next to it, as vLLM's detokenizer joins them."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False,
+                 spaces_between_special_tokens: bool = False, keep: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
+        self._keep = keep
+        self._last = None  # what the last piece was: "text", "special" or None (nothing yet)
         # Python's incremental UTF-8 decoder holds an incomplete trailing sequence and replaces
         # invalid bytes exactly as a one-shot decode of the whole byte string does.
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        if self._skip_special_tokens and token_id in self._tokenizer.special_ids:
+        special = token_id in self._tokenizer.special_ids and token_id not in self._keep
+        if special and self._skip_special_tokens:
             return ""
-        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+        kind = "special" if special else "text"
+        space = " " if self._spaces and self._last is not None and "special" in (kind, self._last) else ""
+        self._last = kind
+        if special:  # whole text: a character left unfinished before it ends there (U+FFFD), as in decode()
+            return self._utf8.decode(b"", final=True) + space + self._tokenizer.token_bytes(token_id).decode()
+        return space + self._utf8.decode(self._tokenizer.token_bytes(token_id))
 
     def finish(self) -> str:
         """Text still held at the end of the stream (U+FFFD for a dangling partial character)."""

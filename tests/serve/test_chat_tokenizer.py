@@ -97,3 +97,37 @@ def test_incremental_decoder_matches_decode_on_any_bytes(tokenizer):
             decoder = tokenizer.incremental_decoder(skip_special_tokens=skip)
             streamed = "".join(decoder.feed(i) for i in ids) + decoder.finish()
             assert streamed == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def reference_text(tokenizer, ids, *, skip, spaces, keep=()):
+    """vLLM's joining, written plainly: maximal runs of text (kept specials count as text) and each
+    other special token are the pieces; dropped when skipping, else joined by a space when asked."""
+    keep_ids = {tokenizer.token_id(t) for t in keep}
+    pieces = []  # [is_special, bytes]
+    for t in ids:
+        special = t in tokenizer.special_ids and t not in keep_ids
+        if special and skip:
+            continue
+        if not special and pieces and not pieces[-1][0]:
+            pieces[-1][1] += tokenizer.token_bytes(t)
+        else:
+            pieces.append([special, tokenizer.token_bytes(t)])
+    return (" " if spaces else "").join(b.decode("utf-8", errors="replace") for _, b in pieces)
+
+
+def test_incremental_decoder_options_match_the_reference(tokenizer):
+    """skip_special_tokens, spaces_between_special_tokens and the kept markers, on random streams of
+    bytes and specials (invalid UTF-8 included)."""
+    rng = random.Random(1)
+    keep = ("<|open|>", "<|sep|>")
+    alphabet = list(range(256)) * 3 + [tokenizer.token_id(t) for t in keep] + [256, 259, 262, 300]
+    for _ in range(300):
+        ids = [rng.choice(alphabet) for _ in range(rng.randrange(14))]
+        for skip in (False, True):
+            for spaces in (False, True):
+                for kept in ((), keep):
+                    decoder = tokenizer.incremental_decoder(skip_special_tokens=skip, spaces_between_special_tokens=spaces,
+                                                            keep_special_tokens=kept)
+                    streamed = "".join(decoder.feed(i) for i in ids) + decoder.finish()
+                    assert streamed == reference_text(tokenizer, ids, skip=skip, spaces=spaces, keep=kept), \
+                        (ids, skip, spaces, kept)

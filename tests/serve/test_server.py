@@ -246,6 +246,29 @@ def test_stop_string_cuts_stream_and_whole_alike(server):
     assert whole.message.content == joined["content"] == text[:text.find(stop)]
 
 
+def test_stop_string_kept_with_include_stop_str_in_output(server):
+    kwargs = {"model": MODEL, "prompt": "Once", "max_tokens": 12, "temperature": 0, "extra_body": LONG}
+    completions = server.client().completions
+    text = alone(server, lambda _, **kw: completions.create(**kw), **kwargs).choices[0].text
+    stop = text[3:5]
+    kept = alone(server, lambda _, **kw: completions.create(**kw), stop=[stop],
+                 **{**kwargs, "extra_body": {**LONG, "include_stop_str_in_output": True}}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == text[:text.find(stop) + len(stop)]
+
+
+def test_special_tokens_other_than_the_markers_leave_the_content(server):
+    """vLLM's skip_special_tokens (default true) on a chat reply: a reserved token the model wrote is
+    dropped from the content, while the channel markers still reach the parser; false keeps it."""
+    forced = {"k3jax_test_forced_output": "Hi<|reserved_token_300|> there<|close|>response<|sep|>"
+                                          "<|close|>message<|sep|>"}
+    body = {"chat_template_kwargs": {"thinking": False}, **forced}
+    assert chat(server, extra_body=body).choices[0].message.content == "Hi there"
+    kept = chat(server, extra_body={**body, "skip_special_tokens": False}).choices[0].message.content
+    assert kept == "Hi <|reserved_token_300|>  there"  # spaced both sides, as vLLM joins a kept special token
+    kept = chat(server, extra_body={**body, "skip_special_tokens": False, "spaces_between_special_tokens": False})
+    assert kept.choices[0].message.content == "Hi<|reserved_token_300|> there"
+
+
 def test_tool_call_parsed_whole_and_streamed_then_round_trip(server):
     forced = {"k3jax_test_forced_output": TOOL_CALL_OUTPUT}
     choice = chat(server, tools=[WEATHER_TOOL], extra_body=forced).choices[0]
