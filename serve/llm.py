@@ -1,47 +1,30 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, the engine driven to completion.
 
-`model=None` is the embedded k3-tiny: a synthetic checkpoint written once under the user's cache
-directory (`$K3JAX_CACHE` or `~/.cache/k3jax`) and loaded like any other.
+`model=None` is the embedded k3-tiny: trained weights shipped in the package (`k3jax/weights/`,
+rebuilt by `make weights`, see `k3jax/train/`) and loaded like any other checkpoint.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import tempfile
 
-from convert import synth
+import k3jax
 from k3jax.loading import from_pretrained
-from k3jax.presets import PRESETS
 from serve.engine import Engine, EngineOptions, RequestOutput
 from serve.sampling import SamplingParams
 
 DEFAULT_MODEL = "k3-tiny"
-_DEFAULT_SEED = 0
 
 
 def cache_root() -> str:
-    """Where k3jax keeps what it writes for later runs (the embedded model, compiled steps)."""
+    """Where k3jax keeps what it writes for later runs (compiled steps)."""
     return os.environ.get("K3JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3jax")
 
 
 def default_model_dir() -> str:
-    """The embedded model's checkpoint directory, written on first use (atomically: a half-written
-    directory is never mistaken for a finished one). The name carries a digest of the preset, so a
-    cache written by a version whose k3-tiny differs (say, before it had a vision tower) is not read."""
-    root = cache_root()
-    preset = hashlib.sha256(json.dumps(PRESETS[DEFAULT_MODEL], sort_keys=True).encode()).hexdigest()[:12]
-    path = os.path.join(root, f"{DEFAULT_MODEL}-seed{_DEFAULT_SEED}-{preset}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        os.makedirs(root, exist_ok=True)
-        partial = tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=root)
-        synth.write_checkpoint(partial, PRESETS[DEFAULT_MODEL], seed=_DEFAULT_SEED)
-        try:
-            os.rename(partial, path)
-        except OSError:  # another process finished first
-            pass
-    return path
+    """The embedded model's checkpoint directory: k3-tiny trained on Python's reference text in K3's
+    chat format (`python -m k3jax.train` writes it), shipped inside the package."""
+    return os.path.join(os.path.dirname(os.path.abspath(k3jax.__file__)), "weights", DEFAULT_MODEL)
 
 
 def load_tokenizer(path: str):

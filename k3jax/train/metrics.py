@@ -51,7 +51,8 @@ def closes_markers(text: str, finish_reason: str, conversation: Conversation) ->
 def replies(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> list[tuple[str, str]]:
     """(text with special tokens, finish reason) of the greedy reply to each conversation's first turn."""
     engine = Engine(model, EngineOptions(max_model_len=2048, max_num_seqs=8), tokenizer=tokenizer)
-    params = SamplingParams(temperature=0.0, max_tokens=REPLY_TOKENS, skip_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=REPLY_TOKENS, skip_special_tokens=False,
+                            spaces_between_special_tokens=False)  # as the parsers read it
     outputs = engine.generate([c.prompt(tokenizer) for c in conversations], [params] * len(conversations))
     return [(o.text, o.finish_reason) for o in outputs]
 

@@ -1,5 +1,5 @@
-"""The offline API on the embedded default model (the synthetic k3-tiny with its byte-level
-tokenizer), and the cache options it exposes: text in, text out, stop strings, FP8 pages."""
+"""The offline API on the embedded default model (the trained k3-tiny shipped in k3jax/weights, with
+its byte-level tokenizer), and the cache options it exposes: text in, text out, stop strings, FP8 pages."""
 
 import os
 
@@ -17,15 +17,13 @@ from tests.k3jax.tiny_configs import k3_tiny_dict
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("K3JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield k3jax.LLM(dtype="float32", max_model_len=64, max_num_seqs=4, max_prefill_chunk=32, block_size=8)
+def llm():
+    return k3jax.LLM(dtype="float32", max_model_len=64, max_num_seqs=4, max_prefill_chunk=32, block_size=8)
 
 
-def test_default_model_is_written_once_and_serves_text(llm):
-    path = default_model_dir()  # already written by the fixture: the same directory, nothing rewritten
-    assert path.startswith(os.environ["K3JAX_CACHE"]) and llm.engine.tokenizer is not None
+def test_default_model_is_the_shipped_one_and_serves_text(llm):
+    path = default_model_dir()  # the trained k3-tiny in the package, with its training report
+    assert os.path.isfile(os.path.join(path, "training.json")) and llm.engine.tokenizer is not None
     out = llm.generate(["hello world", [104, 105]], k3jax.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     tokenizer = llm.engine.tokenizer
     assert out[0].prompt_token_ids == tokenizer.encode("hello world")
