@@ -64,8 +64,7 @@ def main(argv=None) -> None:
     options = TrainOptions(steps=args.steps, seed=args.seed)
     cfg = training_config(PRESETS[MODEL])
     tokenizer = corpus.byte_tokenizer(cfg)
-    rows = corpus.Batches([c.render(tokenizer) for c in corpus.conversations(False, options.seed)],
-                          options.length, options.seed)
+    rows = corpus.Batches(corpus.conversations(False, options.seed), tokenizer, options.length, options.seed)
     start = time.time()
     params, history = train(cfg, rows, options)
     report = {"options": dataclasses.asdict(options), "train_seconds": round(time.time() - start, 1),

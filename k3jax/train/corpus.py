@@ -44,6 +44,7 @@ GREETINGS = [("Hello", "Hello! Ask me about Python: statements, expressions, typ
              ("hey", "Hey! Ask me a Python question.")]
 QUESTIONS = ["Tell me about {}.", "What is {}?", "Explain {}.", "How does {} work in Python?"]
 KINDS = ("instant", "thinking", "tool")
+CONTEXT_WEIGHT = 0.1  # the loss weight of tokens outside the assistant's replies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,18 @@ class Conversation:
     def render(self, tokenizer: Tokenizer) -> list[int]:
         return tokenize_messages(tokenizer, self.messages, tools=self.tools, thinking=self.thinking,
                                  add_generation_prompt=False)
+
+    def reply_mask(self, tokenizer: Tokenizer) -> np.ndarray:
+        """bool [len(render)]: the tokens a model generates in serving (each assistant turn after
+        the prompt's channel opener, through `<|end_of_msg|>`)."""
+        mask = np.zeros(len(self.render(tokenizer)), bool)
+        for j, message in enumerate(self.messages):
+            if message["role"] == "assistant":
+                start = len(tokenize_messages(tokenizer, self.messages[:j], tools=self.tools, thinking=self.thinking))
+                end = len(tokenize_messages(tokenizer, self.messages[:j + 1], tools=self.tools,
+                                            thinking=self.thinking, add_generation_prompt=False))
+                mask[start:end] = True
+        return mask
 
     def prompt(self, tokenizer: Tokenizer) -> list[int]:
         """The first user turn as a serving prompt (what a model continues in `closing_share`)."""
@@ -143,19 +156,25 @@ def conversations(held_out: bool, seed: int = 0) -> list[Conversation]:
 
 
 class Batches:
-    """Rows of `length + 1` tokens (inputs and next-token targets), each the concatenation of
-    conversations drawn in a seeded order from a conversation start: a row begins as a served
-    prompt does, and its later conversations teach the model what follows `<|end_of_msg|>`."""
+    """Rows of `length + 1` tokens (inputs and next-token targets) and `length` loss weights, each
+    the concatenation of conversations drawn in a seeded order from a conversation start: a row
+    begins as a served prompt does, and its later conversations teach the model what follows
+    `<|end_of_msg|>`. Reply tokens weigh 1 and the rest CONTEXT_WEIGHT: most tokens are fixed
+    system text and quoted passages, and at full weight they crowd out the few that close a turn."""
 
-    def __init__(self, token_lists: list[list[int]], length: int, seed: int):
-        stream = np.concatenate([np.asarray(t, np.int32) for t in token_lists])
+    def __init__(self, conversations: list[Conversation], tokenizer: Tokenizer, length: int, seed: int):
+        stream = np.concatenate([c.render(tokenizer) for c in conversations]).astype(np.int32)
+        weights = np.concatenate([np.where(c.reply_mask(tokenizer), 1.0, CONTEXT_WEIGHT) for c in conversations])
         self.tokens = np.concatenate([stream, stream[:length + 1]])  # rows near the end wrap around
-        self.starts = np.cumsum([0] + [len(t) for t in token_lists[:-1]])
+        self.weights = np.concatenate([weights, weights[:length + 1]]).astype(np.float32)
+        self.starts = np.cumsum([0] + [len(c.render(tokenizer)) for c in conversations[:-1]])
         self.length = length
         self.rng = np.random.default_rng(seed)
 
-    def __call__(self, batch: int) -> np.ndarray:
-        return np.stack([self.tokens[s:s + self.length + 1] for s in self.rng.choice(self.starts, batch)])
+    def __call__(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        starts = self.rng.choice(self.starts, batch)
+        return (np.stack([self.tokens[s:s + self.length + 1] for s in starts]),
+                np.stack([self.weights[s + 1:s + self.length + 1] for s in starts]))
 
 
 def unigram_perplexity(train: np.ndarray, held_out: np.ndarray, vocab: int) -> float:

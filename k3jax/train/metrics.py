@@ -7,7 +7,7 @@ import numpy as np
 
 from k3jax.model import K3Model
 from k3jax.train.corpus import Conversation
-from serve.chat.parsing import MESSAGE_CLOSE, RESPONSE_CLOSE, THINK_CLOSE, parse_output
+from serve.chat.parsing import END_OF_MESSAGE, MESSAGE_CLOSE, RESPONSE_CLOSE, THINK_CLOSE, parse_output
 from serve.chat.tokenizer import Tokenizer
 from serve.engine import Engine, EngineOptions
 from serve.sampling import SamplingParams
@@ -40,7 +40,8 @@ def closes_markers(text: str, finish_reason: str, conversation: Conversation) ->
     at `<|end_of_msg|>` right after `<|close|>message<|sep|>`, the think channel (thinking mode) and
     the response channel closed, and the parser finds a reply in it: content, or a tool call when the
     conversation declared tools."""
-    if finish_reason != "stop" or not text.rstrip().endswith(MESSAGE_CLOSE) or RESPONSE_CLOSE not in text:
+    text = text.removesuffix(END_OF_MESSAGE)  # the stop token's own text, kept with the special tokens
+    if finish_reason != "stop" or not text.endswith(MESSAGE_CLOSE) or RESPONSE_CLOSE not in text:
         return False
     if conversation.thinking and THINK_CLOSE not in text:
         return False

@@ -56,14 +56,13 @@ def optimizer(options: TrainOptions, params) -> optax.GradientTransformation:
                                     optax.adamw(schedule, weight_decay=options.weight_decay)), trainable)
 
 
-def next_token_loss(graphdef, params, tokens):
-    """Mean cross-entropy of tokens[:, 1:] given tokens[:, :-1], and the expert load of every MoE
-    layer, int32 [moe layers, E] (in layer order)."""
+def next_token_loss(graphdef, params, tokens, weights):
+    """Cross-entropy of tokens[:, 1:] given tokens[:, :-1], averaged with `weights` [B, T - 1], and
+    the expert load of every MoE layer, int32 [moe layers, E] (in layer order)."""
     with training_moe() as loads:
         logits = nnx.merge(graphdef, params).forward(tokens[:, :-1]).logits
-    logp = jax.nn.log_softmax(logits)
-    loss = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
-    return loss, jnp.stack(loads)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+    return jnp.sum(weights * nll) / jnp.sum(weights), jnp.stack(loads)
 
 
 def balance_routers(params, loads, rate: float):
@@ -80,8 +79,9 @@ def balance_routers(params, loads, rate: float):
 
 def make_step(graphdef, tx: optax.GradientTransformation, bias_rate: float):
     @jax.jit
-    def step(params, state, tokens):
-        (loss, loads), grads = jax.value_and_grad(next_token_loss, argnums=1, has_aux=True)(graphdef, params, tokens)
+    def step(params, state, tokens, weights):
+        (loss, loads), grads = jax.value_and_grad(next_token_loss, argnums=1, has_aux=True)(graphdef, params, tokens,
+                                                                                             weights)
         updates, state = tx.update(grads, state, params)
         params = balance_routers(optax.apply_updates(params, updates), loads, bias_rate)
         return params, state, loss, loads
@@ -90,7 +90,7 @@ def make_step(graphdef, tx: optax.GradientTransformation, bias_rate: float):
 
 
 def train(cfg: K3Config, batches, options: TrainOptions, log=print) -> tuple[nnx.State, dict]:
-    """Trains a fresh fp32 model of `cfg` (a `training_config`) on `batches(batch)` rows.
+    """Trains a fresh fp32 model of `cfg` (a `training_config`) on `batches(batch)` (rows, weights).
     Returns (params, history: per-step losses and the last steps' expert loads)."""
     model = K3Model.random(cfg, dtype="float32", seed=options.seed)
     tx = optimizer(options, model.params)
@@ -98,7 +98,7 @@ def train(cfg: K3Config, batches, options: TrainOptions, log=print) -> tuple[nnx
     params, state = model.params, tx.init(model.params)
     losses, loads = [], None
     for i in range(options.steps):
-        params, state, loss, step_loads = step(params, state, batches(options.batch))
+        params, state, loss, step_loads = step(params, state, *batches(options.batch))
         losses.append(float(loss))
         loads = step_loads if loads is None or i < options.steps - 20 else loads + step_loads
         if log and (i % 25 == 0 or i == options.steps - 1):

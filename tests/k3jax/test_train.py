@@ -45,7 +45,9 @@ def test_training_config_has_plain_experts(setup):
 @pytest.mark.slow  # compiling the backward pass
 def test_gradients_reach_every_parameter_group(setup):
     cfg, model, tokens = setup
-    grads, loads = jax.grad(target.next_token_loss, argnums=1, has_aux=True)(model.graphdef, model.params, tokens)
+    weights = np.ones((2, 32), np.float32)
+    grads, loads = jax.grad(target.next_token_loss, argnums=1, has_aux=True)(model.graphdef, model.params, tokens,
+                                                                             weights)
     assert loads.shape == (2, cfg.num_experts) and (loads.sum(1) == 2 * 32 * cfg.num_experts_per_token).all()
     for path, g in nnx.to_flat_state(grads):
         g = np.asarray(g.get_value())
@@ -67,7 +69,7 @@ def test_a_few_steps_lower_the_loss_and_balance_the_router(setup):
     step = target.make_step(model.graphdef, tx, options.bias_rate)
     params, state, losses = model.params, tx.init(model.params), []
     for _ in range(options.steps):
-        params, state, loss, loads = step(params, state, tokens)
+        params, state, loss, loads = step(params, state, tokens, np.ones((2, 32), np.float32))
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.1
     bias = np.asarray(params["layers"][1]["block_sparse_moe"]["gate"][target.BIAS][...])
@@ -119,9 +121,10 @@ def test_corpus_is_well_formed_k3_chat():
         prompt = tokenize_messages(tokenizer, c.messages[:1], tools=c.tools, thinking=c.thinking)
         whole = c.render(tokenizer)
         assert whole[:len(prompt)] == prompt  # training frames the turn as serving prompts it
-        reply = tokenizer.decode(tokenize_messages(tokenizer, c.messages[:2], tools=c.tools, thinking=c.thinking,
-                                                   add_generation_prompt=False)[len(prompt):])
-        assert reply.endswith("<|close|>message<|sep|><|end_of_msg|>")
+        mask = c.reply_mask(tokenizer)
+        assert not mask[:len(prompt)].any() and mask[len(prompt)]  # the reply starts where the prompt ends
+        reply = tokenizer.decode(np.asarray(whole)[len(prompt):][mask[len(prompt):].cumprod(dtype=bool)])
+        assert reply.endswith("<|close|>message<|sep|><|end_of_msg|>")  # the first reply, through its end
         parsed = parse_output(reply, thinking=c.thinking, tools=c.tools)
         assert parsed.reasoning_content == first_reply.get("reasoning_content")
         assert parsed.content == (first_reply["content"] or None)
