@@ -184,8 +184,6 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None:
-            if self.speculator is not None:  # its verify step does not mask the windows' positions yet
-                raise ValueError(f"{params.structured_outputs.field}: not served with speculative decoding yet")
             self.grammars.add(request_id, params.structured_outputs)
         request = Request(request_id, ids, params, next(self._arrivals))
         self.requests[request_id] = request

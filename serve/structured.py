@@ -215,6 +215,29 @@ class Grammars:
         matcher = self._matchers.get(request_id)
         return matcher is None or matcher.consume_token(token)
 
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> int:
+        """How many of `drafts` the grammar takes from its state (all for a free request): a speculative
+        window is cut at the first draft the grammar rejects. The state does not move."""
+        matcher = self._matchers.get(request_id)
+        return len(drafts) if matcher is None else matcher.validate_tokens(drafts)
+
+    def window_allowed(self, requests, num_rows: int, window: int) -> np.ndarray | None:
+        """uint32 [num_rows * window, ceil(V / 32)]: row i * window + j is request i's mask after its first
+        j drafts (all bits set for free rows and past a row's drafts), or None when none is constrained.
+        The drafts must be valid (`valid_drafts`); the states do not move."""
+        import llguidance.numpy as llnp
+        work = [(self._matchers[r.id], i * window, list(r.drafts)) for i, r in enumerate(requests)
+                if r.id in self._matchers]
+        if not work:
+            return None
+        mask = np.full((num_rows * window, -(-self._vocab_size // 32)), -1, np.int32)
+        drafted = [w for w in work if w[2]]  # llguidance takes no empty draft: those rows get the plain mask
+        if drafted:
+            llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, mask)
+        if len(drafted) < len(work):
+            llnp.fill_next_token_bitmask_par(self._executor, [(m, row) for m, row, d in work if not d], mask)
+        return mask.view(np.uint32)
+
     def allowed(self, ready, num_rows: int) -> np.ndarray | None:
         """uint32 [num_rows, ceil(V / 32)] allowed-token bits of the ready rows ((row, request) pairs; all
         bits set for free rows), or None when no row is constrained."""

@@ -102,6 +102,8 @@ def verify_step(engine, requests) -> list:
     spec = engine.speculator
     k = spec.num_speculative_tokens
     num_rows = bucket(len(requests), engine.decode_rows)
+    for request in requests:  # a window ends before the first draft the request's grammar rejects
+        request.drafts = request.drafts[:engine.grammars.valid_drafts(request.id, request.drafts)]
     logits, taps, records = engine.runner.verify(
         [([r.tokens[-1], *r.drafts], r.computed, r.slot, r.pages) for r in requests], num_rows, k + 1)
     drafts = np.zeros((num_rows, k), np.int32)
@@ -161,6 +163,9 @@ def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts):
                                    request_ids=[r.arrival for r in requests],
                                    eos_token_ids=sorted(engine.eos_ids), engine_seed=engine.options.seed,
                                    vocab_size=logits.shape[-1])
+    # grammar masks along each window's drafts, computed while the device verifies
+    allowed = engine.grammars.window_allowed(requests, num_rows, drafts.shape[1] + 1)
+    batch = batch._replace(banned_bits=sampling.restrict(batch.banned_bits, allowed))
     counts, prompt_mask = engine.penalty_inputs(ready, num_rows, logits.shape[-1])
     wants_logprobs = any(r.params.logprobs is not None for r in requests)
     return rejection.verify(logits, drafts, _draft_logits(engine, requests, num_rows), num_drafts, batch, counts,

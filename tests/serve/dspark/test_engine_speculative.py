@@ -180,3 +180,57 @@ def test_windows_leave_a_snapshot_at_every_page_boundary_they_pass(engine, oracl
     check_outputs(referee, [follow], generate(engine, [follow], [3]))
     assert cache.hit_tokens - hit_before == snapshots[-1] * page
     assert_pool_full(engine)
+
+
+def test_structured_outputs_with_speculation(model, tmp_path):  # noqa: F811
+    """A constrained request under speculation: each window ends before the first draft its grammar
+    rejects, every window position samples under the grammar's mask after the drafts before it (a
+    mask one position off would let the greedy pick break the grammar: the request would end with
+    "error"), and drafts the grammar takes are accepted. Drafts are the unconstrained greedy
+    continuation (mostly rejected by the grammar) or the constrained output itself (an oracle)."""
+    import re
+
+    from convert import synth
+    from k3jax.presets import PRESETS
+    from serve.llm import load_tokenizer
+    from serve.structured import StructuredOutputsParams
+
+    synth.write_tokenizer(tmp_path, model.config)
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert model.config.vocab_size == PRESETS["k3-tiny"]["text_config"]["vocab_size"]
+    pattern = "[a-h]{6}(,[0-9]{2}){3}"
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern))
+    options = EngineOptions(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=40, max_prefill_chunk=16,
+                            max_prefill_rows=2, block_size=4, num_gpu_blocks=60)
+    prompt = [5, 17, 42, 99, 3]
+    plain = Engine(model, options, tokenizer=tokenizer).generate([prompt], [params])[0]
+    assert re.fullmatch(pattern, plain.text) and plain.finish_reason == "stop"
+    free = reference_greedy(model, prompt, 20)
+    shape = "a" * 6 + ",00" * 3  # the pattern's one string shape: a letter a-h, a comma or a digit
+
+    def fits(tokens: list[int]) -> bool:
+        """Whether `tokens` (the output so far and a window's drafts) can still become a match."""
+        text = bytes(t for t in tokens if t < 256).decode()
+        ends = [i for i, t in enumerate(tokens) if t >= 256]
+        return len(text) <= len(shape) and all(
+            c in "abcdefgh" if k == "a" else c == k if k == "," else c.isdigit() for c, k in zip(text, shape)) \
+            and all(i == len(tokens) - 1 and len(text) == len(shape) and t in tokenizer.eos_token_ids
+                    for i, t in ((i, tokens[i]) for i in ends))
+
+    for drafts_of, oracle_drafts in ((lambda r: free[len(r.output):], False),
+                                     (lambda r: plain.token_ids[len(r.output):], True)):
+        engine = Engine(model, options, tokenizer=tokenizer, speculator=ScriptedSpeculator(K, drafts_of))
+        windows, verify = [], engine.runner.verify
+
+        def recording(rows, *args, **kwargs):
+            windows.extend(list(engine.requests.values())[0].output + list(tokens[1:]) for tokens, *_ in rows)
+            return verify(rows, *args, **kwargs)
+
+        engine.runner.verify = recording
+        out = engine.generate([prompt], [params])[0]
+        assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop", out
+        assert windows and all(fits(w) for w in windows)  # every verified draft fits the grammar
+        stats = engine.stats()
+        if oracle_drafts:  # valid drafts go through whole: most tokens come from accepted drafts
+            assert stats["spec_num_accepted_tokens"] >= len(out.token_ids) // 2, stats
+        assert_pool_full(engine)
