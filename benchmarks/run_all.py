@@ -26,6 +26,7 @@ BENCHMARKS = (
     "tiny_decode",
     "engine_throughput",
     "batch_invariant",
+    "structured_overhead",
     "kda_chunked_vs_recurrent",
     "decode_compile_time",
     "dspark_speedup",

@@ -90,7 +90,7 @@ async def completion_prompt_ids(prompts: list[str | list[int]], tokenizer, vocab
             if len(prompt) > tokenizer.max_token_bytes * (max_model_len - 1):
                 raise FieldError("prompt", f"prompt: {len(prompt)} characters cannot fit max_model_len="
                                            f"{max_model_len} tokens")
-            prompt = await asyncio.to_thread(tokenizer.encode, prompt)
+            prompt = await asyncio.to_thread(tokenizer.encode_prompt, prompt)
         elif min(prompt) < 0 or max(prompt) >= vocab_size:
             raise FieldError("prompt", f"prompt: token ids must lie in [0, {vocab_size})")
         check_length("prompt", len(prompt), max_model_len)

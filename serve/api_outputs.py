@@ -122,26 +122,35 @@ def _joined(deltas: list[Delta]) -> dict:
 
 
 class CompletionChoice:
-    """One choice of a (legacy) text completion."""
+    """One choice of a (legacy) text completion; with `echo` (prompt text, prompt ids, their logprobs
+    entries or None) the prompt comes first, as OpenAI's legacy API and vLLM return it."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer | None, *, logprobs: int | None):
+    def __init__(self, index: int, tokenizer: Tokenizer | None, *, logprobs: int | None,
+                 echo: tuple[str, list[int], list | None] | None = None):
         self.index = index
         self.tokenizer = tokenizer
         self.num_logprobs = logprobs  # None: no logprobs
         self._text_offset = 0
+        self._echo = echo  # handed out with the first output
 
     def whole(self, output: RequestOutput) -> dict:
-        logprobs = self._logprobs(output.token_ids, output.logprobs) if self.num_logprobs is not None else None
-        return {"index": self.index, "text": output.text or "", "logprobs": logprobs,
-                "finish_reason": output.finish_reason}
+        choice = self._choice(output)
+        if choice["logprobs"] is None and self.num_logprobs is not None:
+            choice["logprobs"] = self._logprobs([], [])
+        return choice
 
     def delta(self, output: RequestOutput) -> dict | None:
         """The stream chunk's choice for the delta `output`, or None when nothing is new yet."""
-        text = output.text or ""
-        tokens = output.token_ids
-        logprobs = self._logprobs(tokens, output.logprobs or []) if self.num_logprobs is not None and tokens else None
-        if not text and logprobs is None and not output.finished:
-            return None
+        choice = self._choice(output)
+        return None if not choice["text"] and choice["logprobs"] is None and not output.finished else choice
+
+    def _choice(self, output: RequestOutput) -> dict:
+        text, tokens, entries = output.text or "", list(output.token_ids), list(output.logprobs or [])
+        if self._echo is not None:
+            prompt_text, prompt_ids, prompt_entries = self._echo
+            text, tokens, entries = prompt_text + text, prompt_ids + tokens, (prompt_entries or []) + entries
+            self._echo = None
+        logprobs = self._logprobs(tokens, entries) if self.num_logprobs is not None and tokens else None
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": output.finish_reason}
 
     def _logprobs(self, token_ids: list[int], entries: list[dict]) -> dict:
@@ -150,9 +159,13 @@ class CompletionChoice:
         for token_id, entry in zip(token_ids, entries):
             text = self._text(token_id)
             tokens.append(text)
-            chosen.append(max(entry[token_id], MIN_LOGPROB))
-            best = sorted(entry.items(), key=lambda item: -item[1])[:self.num_logprobs]
-            top.append({self._text(i): max(logprob, MIN_LOGPROB) for i, logprob in best})
+            if entry is None:  # the prompt's first token: nothing predicts it
+                chosen.append(None)
+                top.append(None)
+            else:
+                chosen.append(max(entry[token_id], MIN_LOGPROB))
+                best = sorted(entry.items(), key=lambda item: -item[1])[:self.num_logprobs]
+                top.append({self._text(i): max(logprob, MIN_LOGPROB) for i, logprob in best})
             offsets.append(self._text_offset)
             self._text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": top, "text_offset": offsets}

@@ -242,7 +242,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[tuple] = (*SamplingRequest.UNSUPPORTED, ("echo", False), ("suffix", None))
+    UNSUPPORTED: ClassVar[tuple] = (*SamplingRequest.UNSUPPORTED, ("suffix", None))
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids; none of them empty."""

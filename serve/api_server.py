@@ -38,6 +38,7 @@ from serve.api_responses import add_responses_routes
 from serve.api_tokenize import add_tokenizer_routes
 from serve.async_engine import AsyncEngine, RequestFailed
 from serve.metrics import CONTENT_TYPE
+from serve.prompt_logprobs import prompt_entries
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if body.best_of is not None and body.best_of != body.n:
                 raise FieldError("best_of", f"best_of: must equal n ({body.n}): every generated choice is returned")
             params = [body.completion_sampling_params(i) for i in range(body.n)]
-            prompts = await api_checks.completion_prompt_ids(prompts, engine.tokenizer, engine.vocab_size,
-                                                             engine.max_model_len)
-        choices = [CompletionChoice(i, engine.tokenizer, logprobs=body.logprobs) for i in range(len(prompts) * body.n)]
+            texts, prompts = prompts, await api_checks.completion_prompt_ids(prompts, engine.tokenizer,
+                                                                             engine.vocab_size, engine.max_model_len)
+        echoes = [await _echo(engine, text, ids, body.logprobs) for text, ids in zip(texts, prompts)] if body.echo \
+            else [None] * len(prompts)
+        choices = [CompletionChoice(i, engine.tokenizer, logprobs=body.logprobs, echo=echoes[i // body.n])
+                   for i in range(len(prompts) * body.n)]
         response = _Response("cmpl", "text_completion", "text_completion", config.model_name, body.n)
         group = await submit(engine, [(prompt, p) for prompt in prompts for p in params])
         if body.stream:
@@ -187,6 +191,16 @@ class _Response:
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _echo(engine: AsyncEngine, text: str | list[int], ids: list[int], num_logprobs: int | None):
+    """What `echo` puts before a choice: the prompt's text (as sent, or its ids decoded), its ids and,
+    with logprobs, their entries (one more forward of the prompt, in a worker thread)."""
+    if not isinstance(text, str):
+        text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
+    entries = None if num_logprobs is None else await asyncio.to_thread(prompt_entries, engine.engine.model, ids,
+                                                                           num_logprobs)
+    return text, ids, entries
 
 
 def _check_choices(n: int, num_prompts: int, config: ServerConfig, engine: AsyncEngine) -> None:

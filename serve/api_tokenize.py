@@ -46,11 +46,6 @@ class Detokenize(_Body):
     tokens: list[int]
 
 
-def prompt_tokens(tokenizer, text: str) -> list[int]:
-    """A raw text prompt's tokens: special-token text is the special token."""
-    return tokenizer.encode(text, allow_special=True)
-
-
 def tokenize(tokenizer, body: TokenizeCompletion | TokenizeChat, max_model_len: int) -> dict:
     if isinstance(body, TokenizeChat):
         thinking, effort = body.thinking()
@@ -58,7 +53,7 @@ def tokenize(tokenizer, body: TokenizeCompletion | TokenizeChat, max_model_len: 
         ids = tokenize_messages(tokenizer, body.messages, tools=tools, tool_choice=tool_choice, thinking=thinking,
                                 thinking_effort=effort, add_generation_prompt=body.add_generation_prompt)
     else:
-        ids = prompt_tokens(tokenizer, body.prompt)
+        ids = tokenizer.encode_prompt(body.prompt)
     out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = [tokenizer.token_bytes(i).decode("utf-8", errors="replace") for i in ids]

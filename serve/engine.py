@@ -492,7 +492,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer files: send token ids, not text")
-            prompt = self.tokenizer.encode(prompt)
+            prompt = self.tokenizer.encode_prompt(prompt)
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= vocab):

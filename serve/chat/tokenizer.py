@@ -94,6 +94,12 @@ class Tokenizer:
             return self._encoding.encode(text, allowed_special="all")
         return self._encoding.encode_ordinary(text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's ids (`/v1/completions`, `LLM.generate`, `/tokenize`): special-token text is the
+        special token, as Hugging Face tokenizers read a prompt (so `[EOS]` or an image placeholder in
+        it works); chat content is never read this way (serve/chat/encoding.py)."""
+        return self.encode(text, allow_special=True)
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD. Special tokens are kept as
         their text unless `skip_special_tokens` (the output parsers need them kept)."""

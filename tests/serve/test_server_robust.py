@@ -214,7 +214,6 @@ BOUNDS = [
     ("/v1/completions", {"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     # fields of OpenAI or vLLM this server does not serve: refused, not silently ignored
-    ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     # structured outputs the server recognises but cannot honour (tests/serve/test_structured.py serves them)
