@@ -52,7 +52,10 @@ class MLAPages(NamedTuple):
             limit = float(jnp.finfo(self.pages.dtype).max)
             stored = jnp.clip(stored, -limit, limit)
         stored = stored.astype(self.pages.dtype)
-        return self._replace(pages=self.pages.at[page_ids, rows_in_page].set(stored))
+        # The barrier makes every read of the pool read the written pool: without it XLA fuses the
+        # write into the attention's gather of the old pool and copies the whole pool (twice, on
+        # XLA:CPU) to keep both versions, every step.
+        return self._replace(pages=jax.lax.optimization_barrier(self.pages.at[page_ids, rows_in_page].set(stored)))
 
     def gather(self, page_table, dtype):
         """Each row's pages as one contiguous cache [B, max_pages * page_size, C] in `dtype`."""

@@ -96,3 +96,16 @@ def test_engine_decode_step_copies_no_weight(model, rows):
     text = _step.lower(model.structure, model.params, pools, ints(rows, 1), jnp.ones((rows,), jnp.int32),
                        ints(rows), ints(rows) + 1, ints(rows, 4), None).compile().as_text()
     assert not over_the_bound(text, cfg)
+
+
+def test_engine_decode_step_copies_no_page_pool(model):
+    """Writing the new row and reading the pages must both happen in the donated pool: no buffer the
+    size of an MLA layer's page pool (XLA once fused the write into the read of the old pool and
+    copied every pool twice per step)."""
+    cfg = model.config
+    pools = init_pools(cfg, num_slots=2, num_pages=257, page_size=16, dtype=jnp.float32)
+    pool_bytes = 257 * 16 * cfg.mla_cache_width * 4
+    ints = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    text = _step.lower(model.structure, model.params, pools, ints(1, 1), jnp.ones((1,), jnp.int32),
+                       ints(1), ints(1) + 1, ints(1, 4), None).compile().as_text()
+    assert not [b for b in materialised_buffers(text) if b.bytes >= pool_bytes]
