@@ -86,12 +86,11 @@ async def chat_prompt(fields: dict, sources: list[str], names: dict[str, str], e
             raise FieldError(field, f"{field}: {problem['msg']}") from None
         chat.check_unsupported()
         api_checks.check_nesting(chat)
-        thinking, effort = chat.thinking()
-        tools, tool_choice = chat.tool_prompt()
+        options = chat.prompt_options()
+        thinking, tools = options["thinking"], options["tools"]
         params = chat.chat_sampling_params(0)
         forced = forced_tokens(chat, tokenizer)
-        ids = await api_checks.chat_prompt_ids(tokenizer, chat.messages, engine.max_model_len, tools=tools,
-                                               thinking=thinking, thinking_effort=effort, tool_choice=tool_choice)
+        ids = await api_checks.chat_prompt_ids(tokenizer, chat.messages, engine.max_model_len, **options)
     except ValueError as error:
         error = _renamed(api_checks.field_error(error, names), sources)
         raise APIError(400, str(error), param=error.param) from error

@@ -199,6 +199,14 @@ class ChatCompletionRequest(SamplingRequest):
                                            tool_call_required=bool(forced), field="tool_choice")
         return None
 
+    def prompt_options(self) -> dict:
+        """The keyword arguments of `serve.chat.tokenize_messages` for this request: every endpoint
+        that renders a chat prompt (chat, Messages, Responses, /tokenize) renders it from these."""
+        thinking, effort = self.thinking()
+        tools, tool_choice = self.tool_prompt()
+        return {"tools": tools, "tool_choice": tool_choice, "thinking": thinking, "thinking_effort": effort,
+                "response_format": self.response_format}
+
     def thinking(self) -> tuple[bool, str | None]:
         """(thinking on, thinking effort): from chat_template_kwargs, else from reasoning_effort."""
         kwargs = self.chat_template_kwargs or {}

@@ -82,13 +82,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             body.check_unsupported()
             _check_choices(body.n, 1, config, engine)
             api_checks.check_nesting(body)
-            thinking, effort = body.thinking()
-            tools, tool_choice = body.tool_prompt()
+            options = body.prompt_options()
+            thinking, tools = options["thinking"], options["tools"]
             params = [body.chat_sampling_params(i) for i in range(body.n)]
             forced = forced_tokens(body, tokenizer)
-            prompt = await api_checks.chat_prompt_ids(tokenizer, body.messages, engine.max_model_len, tools=tools,
-                                                      thinking=thinking, thinking_effort=effort,
-                                                      tool_choice=tool_choice, response_format=body.response_format)
+            prompt = await api_checks.chat_prompt_ids(tokenizer, body.messages, engine.max_model_len, **options)
         if forced is not None:
             params = [dataclasses.replace(p, max_tokens=len(forced), ignore_eos=True) for p in params]
         choices = [ChatChoice(i, tokenizer, thinking=thinking, tools=tools if body.parses_tool_calls() else None,

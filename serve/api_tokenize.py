@@ -48,10 +48,8 @@ class Detokenize(_Body):
 
 def tokenize(tokenizer, body: TokenizeCompletion | TokenizeChat, max_model_len: int) -> dict:
     if isinstance(body, TokenizeChat):
-        thinking, effort = body.thinking()
-        tools, tool_choice = body.tool_prompt()
-        ids = tokenize_messages(tokenizer, body.messages, tools=tools, tool_choice=tool_choice, thinking=thinking,
-                                thinking_effort=effort, add_generation_prompt=body.add_generation_prompt)
+        ids = tokenize_messages(tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+                                **body.prompt_options())
     else:
         ids = tokenizer.encode_prompt(body.prompt)
     out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}

@@ -30,7 +30,7 @@ from serve.cache import CacheAllocator, CacheLayout, page_bytes
 from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
 from serve.sampling import SamplingParams
-from serve.step_sampler import StepSampler, penalty_inputs, picked
+from serve.step_sampler import StepSampler, picked
 from serve.structured import Grammars
 from serve.scheduler import Request, Scheduler, Status, StepPlan
 
@@ -351,9 +351,8 @@ class Engine:
 
     def emit(self, sampled: list[tuple[Request, int, dict | None]]) -> list[Request]:
         """Appends sampled tokens (with their logprobs entries) and applies the stop rules; tokens that
-        follow a stop in the same step (a speculative window's) are dropped. Public with
-        `penalty_inputs`: a speculative step (serve/dspark/speculation.py) emits its accepted tokens
-        and builds its sampler's penalty inputs through them."""
+        follow a stop in the same step (a speculative window's) are dropped. Public: a speculative step
+        (serve/dspark/speculation.py) emits its accepted tokens through it."""
         for request, token, logprobs in sampled:
             if request.status is not Status.FINISHED:
                 if logprobs is not None:
@@ -439,9 +438,6 @@ class Engine:
         return StepSampler.for_rows(ready, num_rows, vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
                                     seed=self.options.seed, in_flight=in_flight,
                                     allowed=self.grammars.allowed(ready, num_rows))
-
-    # Public with `emit`: a speculative step builds its sampler's penalty inputs through it.
-    penalty_inputs = staticmethod(penalty_inputs)
 
     def _land(self, ahead: _Ahead) -> list[Request]:
         """The step of a call that found one dispatched ahead: dispatches the next one first (when the

@@ -28,6 +28,7 @@ from serve.dspark import rejection
 from serve.dspark.speculator import DSparkSpeculator
 from serve.runner import bucket
 from serve.scheduler import Request, Status
+from serve.step_sampler import penalty_inputs
 
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "draft_sample_method")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -166,7 +167,7 @@ def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts):
     # grammar masks along each window's drafts, computed while the device verifies
     allowed = engine.grammars.window_allowed(requests, num_rows, drafts.shape[1] + 1)
     batch = batch._replace(banned_bits=sampling.restrict(batch.banned_bits, allowed))
-    counts, prompt_mask = engine.penalty_inputs(ready, num_rows, logits.shape[-1])
+    counts, prompt_mask = penalty_inputs(ready, num_rows, logits.shape[-1])
     wants_logprobs = any(r.params.logprobs is not None for r in requests)
     return rejection.verify(logits, drafts, _draft_logits(engine, requests, num_rows), num_drafts, batch, counts,
                             prompt_mask, num_logprobs=sampling.MAX_LOGPROBS if wants_logprobs else 0)

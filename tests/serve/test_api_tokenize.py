@@ -35,6 +35,9 @@ def test_chat_form_is_the_chat_endpoints_prompt(tokenizer):
     thinking = TokenizeChat(messages=messages, reasoning_effort="low", add_generation_prompt=False)
     assert tokenize(tokenizer, thinking, 64)["tokens"] == tokenize_messages(
         tokenizer, messages, thinking=True, thinking_effort="low", add_generation_prompt=False)
+    json_format = TokenizeChat(messages=messages, response_format={"type": "json_object"})
+    assert tokenize(tokenizer, json_format, 64)["tokens"] == tokenize_messages(
+        tokenizer, messages, response_format={"type": "json_object"})
 
 
 def test_ids_outside_the_vocabulary_name_the_field(tokenizer):
