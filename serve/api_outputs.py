@@ -123,20 +123,24 @@ def _joined(deltas: list[Delta]) -> dict:
 
 class CompletionChoice:
     """One choice of a (legacy) text completion; with `echo` (prompt text, prompt ids, their logprobs
-    entries or None) the prompt comes first, as OpenAI's legacy API and vLLM return it."""
+    entries or None) the prompt comes first, as OpenAI's legacy API and vLLM return it. A whole
+    response's choice carries vLLM's `prompt_logprobs` when they were computed."""
 
     def __init__(self, index: int, tokenizer: Tokenizer | None, *, logprobs: int | None,
-                 echo: tuple[str, list[int], list | None] | None = None):
+                 echo: tuple[str, list[int], list | None] | None = None, prompt_logprobs: list | None = None):
         self.index = index
         self.tokenizer = tokenizer
         self.num_logprobs = logprobs  # None: no logprobs
         self._text_offset = 0
         self._echo = echo  # handed out with the first output
+        self._prompt_logprobs = prompt_logprobs
 
     def whole(self, output: RequestOutput) -> dict:
         choice = self._choice(output)
         if choice["logprobs"] is None and self.num_logprobs is not None:
             choice["logprobs"] = self._logprobs([], [])
+        if self._prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs
         return choice
 
     def delta(self, output: RequestOutput) -> dict | None:

@@ -100,15 +100,31 @@ class SamplingRequest(Strict):
     spaces_between_special_tokens: bool = True  # around the special tokens the text keeps
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsRequest | None = None
-    # Accepted by OpenAI or vLLM but not served here: refused when set, rather than silently ignored.
+    # vLLM's: the prompt tokens' logprobs and this many alternatives (-1: the whole vocabulary).
     prompt_logprobs: int | None = None
-    UNSUPPORTED: ClassVar[tuple] = (("prompt_logprobs", None),)  # (field, its value when unused)
+    # Accepted by OpenAI or vLLM but not served here: refused when set, rather than silently ignored.
+    UNSUPPORTED: ClassVar[tuple] = ()  # (field, its value when unused)
 
     def check_unsupported(self) -> None:
         """ValueError naming the first field set that this server does not serve."""
         for field, neutral in self.UNSUPPORTED:
             if getattr(self, field) != neutral:
                 raise ValueError(f"{field}: not supported by this server")
+
+    def num_prompt_logprobs(self) -> int | None:
+        """`prompt_logprobs` checked as vLLM checks it (-1 or at least 0, at most MAX_LOGPROBS, which
+        -1 exceeds at any real vocabulary; not with stream, whose chunks have no field for them)."""
+        n = self.prompt_logprobs
+        if n is None:
+            return None
+        if n < -1:
+            raise ValueError(f"prompt_logprobs: must be -1 or at least 0, got {n}")
+        if n == -1 or n > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs: at most {MAX_LOGPROBS} on this server, got {n}"
+                             + (" (the whole vocabulary)" if n == -1 else ""))
+        if self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true (as in vLLM)")
+        return n
 
     @property
     def include_usage(self) -> bool:

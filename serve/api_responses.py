@@ -98,7 +98,7 @@ class ResponsesRequest(SamplingRequest):
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
-    UNSUPPORTED: ClassVar[tuple] = (*SamplingRequest.UNSUPPORTED, ("parallel_tool_calls", True), ("background", False),
+    UNSUPPORTED: ClassVar[tuple] = (("prompt_logprobs", None), ("parallel_tool_calls", True), ("background", False),
                                     ("truncation", "disabled"), ("top_logprobs", None), ("conversation", None),
                                     ("prompt", None), ("max_tool_calls", None))
 

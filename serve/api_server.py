@@ -38,7 +38,7 @@ from serve.api_responses import add_responses_routes
 from serve.api_tokenize import add_tokenizer_routes
 from serve.async_engine import AsyncEngine, RequestFailed
 from serve.metrics import CONTENT_TYPE
-from serve.prompt_logprobs import prompt_entries
+from serve.prompt_logprobs import PromptScores, prompt_scores
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             options = body.prompt_options()
             thinking, tools = options["thinking"], options["tools"]
             params = [body.chat_sampling_params(i) for i in range(body.n)]
+            num_prompt_logprobs = body.num_prompt_logprobs()
             forced = forced_tokens(body, tokenizer)
             prompt = await api_checks.chat_prompt_ids(tokenizer, body.messages, engine.max_model_len, **options)
         if forced is not None:
@@ -92,13 +93,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         choices = [ChatChoice(i, tokenizer, thinking=thinking, tools=tools if body.parses_tool_calls() else None,
                               top_logprobs=params[i].logprobs) for i in range(body.n)]
         response = _Response("chatcmpl", "chat.completion", "chat.completion.chunk", config.model_name, body.n)
+        # vLLM's prompt_logprobs of a chat request: those of the encoded chat prompt, in the response
+        extra = {} if num_prompt_logprobs is None else \
+            {"prompt_logprobs": (await _scores(engine, prompt)).vllm(num_prompt_logprobs, tokenizer)}
         group = await submit(engine, [(prompt, p) for p in params], rename={"prompt": "messages"})
         outputs = group if forced is None else forced_outputs(group, forced, tokenizer, params)
         if body.stream:
             return StreamingResponse(response.stream(group, outputs, choices, body.include_usage,
                                                      first=[c.first_delta() for c in choices]),
                                      media_type="text/event-stream")
-        return await unless_disconnected(request, response.whole(group, outputs, choices))
+        return await unless_disconnected(request, response.whole(group, outputs, choices, **extra))
 
     # The test hook's field exists only in the schema of a server started with its flag.
     chat_completions.__annotations__["body"] = ChatRequestWithTestHook if config.enable_test_hooks \
@@ -115,11 +119,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if body.best_of is not None and body.best_of != body.n:
                 raise FieldError("best_of", f"best_of: must equal n ({body.n}): every generated choice is returned")
             params = [body.completion_sampling_params(i) for i in range(body.n)]
+            num_prompt_logprobs = body.num_prompt_logprobs()
             texts, prompts = prompts, await api_checks.completion_prompt_ids(prompts, engine.tokenizer,
                                                                              engine.vocab_size, engine.max_model_len)
-        echoes = [await _echo(engine, text, ids, body.logprobs) for text, ids in zip(texts, prompts)] if body.echo \
-            else [None] * len(prompts)
-        choices = [CompletionChoice(i, engine.tokenizer, logprobs=body.logprobs, echo=echoes[i // body.n])
+        echo_logprobs = body.echo and body.logprobs is not None
+        if num_prompt_logprobs is None and echo_logprobs:
+            num_prompt_logprobs = body.logprobs  # as vLLM: echo's logprobs come back as prompt_logprobs too
+        scores = [await _scores(engine, ids) if num_prompt_logprobs is not None else None for ids in prompts]
+        echoes = [_echo(engine, text, ids, s.entries(body.logprobs) if echo_logprobs else None)
+                  for text, ids, s in zip(texts, prompts, scores)] if body.echo else [None] * len(prompts)
+        prompt_logprobs = [None if s is None or body.stream else s.vllm(num_prompt_logprobs, engine.tokenizer)
+                           for s in scores]
+        choices = [CompletionChoice(i, engine.tokenizer, logprobs=body.logprobs, echo=echoes[i // body.n],
+                                    prompt_logprobs=prompt_logprobs[i // body.n])
                    for i in range(len(prompts) * body.n)]
         response = _Response("cmpl", "text_completion", "text_completion", config.model_name, body.n)
         group = await submit(engine, [(prompt, p) for prompt in prompts for p in params])
@@ -149,7 +161,7 @@ class _Response:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    async def whole(self, group: RequestGroup, outputs: AsyncIterator, choices: list) -> dict:
+    async def whole(self, group: RequestGroup, outputs: AsyncIterator, choices: list, **extra) -> dict:
         totals = Totals(len(choices))
         try:
             async for index, output in outputs:
@@ -159,7 +171,7 @@ class _Response:
         finally:
             group.abort()  # nothing when all finished; frees the cache if the client left
         return self._envelope(self.kind, [choice.whole(totals.outputs[i]) for i, choice in enumerate(choices)],
-                              usage=totals.usage(self.n))
+                              usage=totals.usage(self.n), **extra)
 
     async def stream(self, group: RequestGroup, outputs: AsyncIterator, choices: list, include_usage: bool,
                      first: Sequence[dict] = ()) -> AsyncIterator[str]:
@@ -191,14 +203,17 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _echo(engine: AsyncEngine, text: str | list[int], ids: list[int], num_logprobs: int | None):
+def _echo(engine: AsyncEngine, text: str | list[int], ids: list[int], entries: list | None):
     """What `echo` puts before a choice: the prompt's text (as sent, or its ids decoded), its ids and,
-    with logprobs, their entries (one more forward of the prompt, in a worker thread)."""
+    with logprobs, their entries."""
     if not isinstance(text, str):
         text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
-    entries = None if num_logprobs is None else await asyncio.to_thread(prompt_entries, engine.engine.model, ids,
-                                                                           num_logprobs)
     return text, ids, entries
+
+
+async def _scores(engine: AsyncEngine, ids: list[int]) -> PromptScores:
+    """The prompt's own logprobs: one more forward of it, in a worker thread beside the engine's."""
+    return await asyncio.to_thread(prompt_scores, engine.engine.model, ids)
 
 
 def _check_choices(n: int, num_prompts: int, config: ServerConfig, engine: AsyncEngine) -> None:
