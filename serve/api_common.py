@@ -76,12 +76,21 @@ async def forced_outputs(group: RequestGroup, forced: list[int], tokenizer, para
 
 async def submit(engine: AsyncEngine, requests, rename: dict[str, str] | None = None) -> RequestGroup:
     try:
+        await _compile_grammars(engine, requests)
         return await engine.submit(requests)
     except ValueError as error:
         error = api_checks.field_error(error, rename)
         raise APIError(400, str(error), param=error.param) from error
     except (QueueFull, EngineDead) as error:
         raise APIError(503, str(error)) from error
+
+
+async def _compile_grammars(engine: AsyncEngine, requests) -> None:
+    """Compiles the requests' grammars in a worker thread before they reach the engine, whose
+    add_request then finds them compiled (serve/structured.py): a large schema compiled on the
+    engine's thread would stall every running request."""
+    for spec in dict.fromkeys(p.structured_outputs for _, p in requests if p.structured_outputs is not None):
+        await asyncio.to_thread(engine.engine.grammars.compile, spec)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
