@@ -185,11 +185,11 @@ class K3Transformer(nnx.Module):
     def dtype(self):
         return self.embed_tokens.dtype
 
-    def forward(self, tokens, lengths=None, *, taps: TapSpec | None = None) -> ForwardOut:
+    def forward(self, tokens, lengths=None, *, taps: TapSpec | None = None, embeds=None) -> ForwardOut:
         """The full causal forward without a cache: tokens [B, T] (right-padded), lengths [B] real
-        tokens (default T)."""
+        tokens (default T). `embeds`: an input embeddings override, as in `step`."""
         batch = _batch(tokens, lengths)
-        h, _, tapped = self._layers(tokens, batch, (None,) * len(self.layers), taps)
+        h, _, tapped = self._layers(tokens, batch, (None,) * len(self.layers), taps, embeds)
         return ForwardOut(self._head(h), tapped)
 
     def extend(self, tokens, lengths, state: DecodeState) -> ExtendOut:
@@ -200,11 +200,13 @@ class K3Transformer(nnx.Module):
         return ExtendOut(self._head(h), DecodeState(caches, batch.offsets + batch.lengths))
 
     def step(self, tokens, lengths, state: PagedState, *, last_only: bool = False,
-             taps: TapSpec | None = None) -> StepOut:
+             taps: TapSpec | None = None, embeds=None) -> StepOut:
         """A serving step over the engine's pools: prefill chunks and decodes, each row in its slot and
-        pages. `last_only`: logits of each row's last real token only, [B, V] (what a step samples from)."""
+        pages. `last_only`: logits of each row's last real token only, [B, V] (what a step samples from).
+        `embeds`: (values [B, T, H], mask [B, T] bool) or None: where the mask is set, the input
+        embedding is the value instead of the token's (an image's encoder outputs at its pad positions)."""
         batch = _batch(tokens, lengths, state.offsets, state.slots, state.page_table)
-        h, caches, tapped = self._layers(tokens, batch, state.layers, taps)
+        h, caches, tapped = self._layers(tokens, batch, state.layers, taps, embeds)
         return StepOut(self._head(h, batch.lengths if last_only else None), state._replace(layers=caches), tapped)
 
     def verify(self, tokens, lengths, state: PagedState, *, taps: TapSpec | None = None) -> VerifyOut:
@@ -218,11 +220,14 @@ class K3Transformer(nnx.Module):
         pools = tuple(c.pool if isinstance(c, Recorded) else c for c in caches)
         return VerifyOut(self._head(h), state._replace(layers=pools), tapped, records)
 
-    def _layers(self, tokens, batch: Batch, caches: tuple, taps: TapSpec | None):
-        """The embedding, every layer and the final read: (h [B, T, H] before the norm, the layers'
-        new caches, the tapped hidden states [B, T, len(taps.layers) * H] or None)."""
+    def _layers(self, tokens, batch: Batch, caches: tuple, taps: TapSpec | None, embeds=None):
+        """The embedding (overridden where `embeds` says), every layer and the final read: (h [B, T, H]
+        before the norm, the layers' new caches, the tapped hidden states [B, T, len(taps.layers) * H] or None)."""
         cfg = self.cfg
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        if embeds is not None:
+            values, mask = embeds
+            x = jnp.where(mask[..., None], values.astype(x.dtype), x)
         stream = attn_res.start_stream(x, cfg.num_attn_res_blocks) if cfg.attn_res else x
         tapped = {}  # layer index -> its tap [B, T, H]
         new_caches = []

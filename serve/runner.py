@@ -10,6 +10,12 @@ On a mesh, rows are split over `data` (so row counts are multiples of its size) 
 each step's pool writes reach every group. That is the simple design; its cost is memory, since a
 data group's devices hold the KDA states and MLA pages of every running request, not only of their
 own rows (DP attention, as vLLM and SGLang run it, gives each group its own pools and requests).
+
+Images: a runner with `embed_width` (a model with a vision encoder) gives every multi-token step (a
+prefill) an input-embeddings override, values [rows, T, H] and a mask [rows, T], zeros and False where
+no image is: one program per prefill bucket, whether its rows hold images or not, at the price of
+sending the override with text-only prefills too (the simplest way to keep compiles per bucket at
+one; the decode steps, one token a row, never hold an image position and run exactly as without).
 """
 
 from __future__ import annotations
@@ -44,13 +50,14 @@ def bucket(value: int, sizes: tuple[int, ...]) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
-def _step(structure, params, pools, tokens, lengths, offsets, slots, page_table, taps):
+def _step(structure, params, pools, tokens, lengths, offsets, slots, page_table, taps, embeds=None):
     """Last-token logits [rows, V], the pools, and the tapped hidden states [rows, T, F] (or None).
     tokens: [rows, T], or [rows] for a decode step (what the sampler returns, so a step the engine
-    runs ahead takes the previous step's samples as they are)."""
+    runs ahead takes the previous step's samples as they are). embeds: None, or the (values, mask)
+    override of `K3Transformer.step`."""
     tokens = tokens.reshape(lengths.shape[0], -1)
     out = structure.merge(params).step(tokens, lengths, PagedState(pools, offsets, slots, page_table),
-                                       last_only=True, taps=taps)
+                                       last_only=True, taps=taps, embeds=embeds)
     return out.logits, out.state.layers, out.taps
 
 
@@ -81,11 +88,12 @@ class Runner:
     """Owns the cache pools; `run` is one step over the given rows."""
 
     def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None,
-                 taps: TapSpec | None = None):
+                 taps: TapSpec | None = None, embed_width: int | None = None):
         self.spans_processes = multihost.spans_processes(model.mesh)  # the leader announces every step
         self.model = model
         self.layout = layout
         self.taps = taps  # the hidden states a speculator reads: every step then returns them
+        self.embed_width = embed_width  # set: prefill steps take an embeddings override (images)
         self.page_table_width = -(-max_model_len // layout.page_size)
         make = functools.partial(init_pools, model.config, num_slots=layout.num_slots, num_pages=layout.num_pages,
                                  page_size=layout.page_size, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
@@ -96,15 +104,19 @@ class Runner:
         self.num_data = data_size(model.mesh)
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int, *,
-            device_tokens: jax.Array | None = None):
+            device_tokens: jax.Array | None = None, embeds: tuple[np.ndarray, np.ndarray] | None = None):
         """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens.
         Returns (float32 logits [num_rows, vocab] of each row's last new token (padding rows: garbage),
         the tapped hidden states [num_rows, num_tokens, F] or None).
 
         device_tokens: int32 [num_rows] on the device, a decode step's tokens used instead of the rows'
         (whose count still sets each row's length): the engine's run-ahead feeds the previous step's
-        samples before they reach the host. One process only (a follower could not see them)."""
-        arrays = self._arrays(rows, num_rows, num_tokens)
+        samples before they reach the host. One process only (a follower could not see them).
+
+        embeds: float32 values [num_rows, num_tokens, H] and a bool mask [num_rows, num_tokens], the
+        embeddings that replace the tokens' where the mask is set (a runner with `embed_width`, steps
+        of more than one token; None: no image in the step)."""
+        arrays = self._arrays(rows, num_rows, num_tokens) + self._override(embeds, num_rows, num_tokens)
         if device_tokens is not None:
             if self.spans_processes:
                 raise ValueError("device_tokens: a step over several processes takes host tokens")
@@ -114,15 +126,27 @@ class Runner:
         return self._run(arrays)
 
     def _run(self, arrays):
-        logits, self.pools, taps = self._call(_step, *arrays)
+        logits, self.pools, taps = self._call(_step, arrays[:5], embeds=arrays[5:])
         return self._local(logits), taps
+
+    def _override(self, embeds, num_rows: int, num_tokens: int) -> tuple:
+        """The step's embeddings override as (values, mask), or () for a step that takes none."""
+        if self.embed_width is None or num_tokens == 1:
+            if embeds is not None:
+                raise ValueError("embeds: only the prefill steps of a runner with embed_width take them")
+            return ()
+        if embeds is None:
+            return (np.zeros((num_rows, num_tokens, self.embed_width), np.float32),
+                    np.zeros((num_rows, num_tokens), bool))
+        return tuple(embeds)
 
     def compile(self, num_rows: int, num_tokens: int) -> None:
         """Compiles the step of [num_rows, num_tokens] without running it. Lowering fills jit's caches,
         so the first real step of that shape only dispatches; it reads the pools' shapes, not their
         buffers, so another thread may run steps meanwhile."""
         arrays = self._arrays([], num_rows, num_tokens)
-        self._call(_step, *arrays, pools=self._pool_specs, compile_only=True)
+        self._call(_step, arrays, embeds=self._override(None, num_rows, num_tokens), pools=self._pool_specs,
+                   compile_only=True)
 
     def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
         """Like `run` over speculative windows (the last token, then the drafts), without touching the
@@ -133,7 +157,7 @@ class Runner:
         return self._verify(arrays)
 
     def _verify(self, arrays):
-        logits, self.pools, taps, records = self._call(_verify, *arrays)
+        logits, self.pools, taps, records = self._call(_verify, arrays)
         return self._local(logits), taps, records
 
     def commit(self, records, slots: np.ndarray, accepted: np.ndarray, targets: np.ndarray | None = None) -> None:
@@ -205,16 +229,22 @@ class Runner:
     def _mesh(self):
         return jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext()
 
-    def _call(self, fn, *arrays, pools=None, compile_only: bool = False):
-        model = self.model
-        if model.mesh is None:
-            arrays = map(jnp.asarray, arrays)
-        else:  # rows over data (a device array, run-ahead tokens, moves without a trip through the host)
-            sharding = rows_sharding(model.mesh)
-            arrays = (jax.device_put(a, sharding) if isinstance(a, jax.Array) else put(a, sharding) for a in arrays)
-        args = (model.structure, model.params, self.pools if pools is None else pools, *arrays, self.taps)
+    def _call(self, fn, arrays, *, embeds=(), pools=None, compile_only: bool = False):
+        """fn(structure, params, pools, *arrays, taps[, embeds]): arrays and embeds placed by rows."""
+        args = (self.model.structure, self.model.params, self.pools if pools is None else pools,
+                *self._place(arrays), self.taps)
+        if embeds:
+            args += (tuple(self._place(embeds)),)
         with self._mesh():
             return fn.lower(*args).compile() if compile_only else fn(*args)
+
+    def _place(self, arrays):
+        model = self.model
+        if model.mesh is None:
+            return map(jnp.asarray, arrays)
+        # rows over data (a device array, run-ahead tokens, moves without a trip through the host)
+        sharding = rows_sharding(model.mesh)
+        return (jax.device_put(a, sharding) if isinstance(a, jax.Array) else put(a, sharding) for a in arrays)
 
     def _pool_shardings(self, make):
         return pool_shardings(jax.eval_shape(make), self.model.mesh)
