@@ -26,6 +26,8 @@ from k3jax.model import K3Model
 from serve import sampling
 from serve.detokenizer import OutputText
 from serve.dspark import speculation
+from serve.encoder_cache import DEFAULT_BUDGET_BYTES, EncoderCache
+from serve.multimodal import MultimodalPrompt
 from serve.cache import CacheAllocator, CacheLayout, page_bytes
 from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
@@ -67,6 +69,7 @@ class EngineOptions:
     # Every request's tokens and logprobs independent of what else runs (see Engine): one row bucket
     # and one token bucket, prefill chunks that other requests never shorten.
     batch_invariant: bool = False
+    mm_encoder_cache_bytes: int = DEFAULT_BUDGET_BYTES  # the vision encoder's outputs kept (serve/encoder_cache.py)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -119,13 +122,17 @@ class Engine:
                                    max_prefill_chunk=min(options.max_prefill_chunk, options.max_num_batched_tokens),
                                    max_prefill_rows=options.max_prefill_rows,
                                    whole_chunks=options.batch_invariant)
+        # With a vision tower, prefill steps carry the images' embeddings (serve/runner.py)
+        self.images = EncoderCache(model.vision, options.mm_encoder_cache_bytes) if model.vision is not None else None
         self.runner = Runner(model, self.layout, max_model_len=options.max_model_len, kv_cache_dtype=kv_dtype,
-                             taps=speculator.taps if speculator else None)
+                             taps=speculator.taps if speculator else None,
+                             embed_width=cfg.hidden_size if self.images is not None else None)
         if speculator is not None:
             speculator.bind(self.runner, options.seed)
         self.decode_rows = buckets(options.max_num_seqs, smallest=self.runner.num_data)
         self.prefill_rows = buckets(options.max_prefill_rows, smallest=self.runner.num_data)
-        self.prefill_tokens = buckets(self.scheduler.max_prefill_chunk, smallest=min(16, self.scheduler.max_prefill_chunk))
+        chunk = self.scheduler.max_prefill_chunk  # a runner takes images in steps of 2 tokens or more:
+        self.prefill_tokens = buckets(chunk, smallest=max(min(16, chunk), 1 if self.images is None else 2))
         if options.batch_invariant:  # the largest bucket only: every step runs the same programs
             self.decode_rows, self.prefill_rows, self.prefill_tokens = \
                 self.decode_rows[-1:], self.prefill_rows[-1:], self.prefill_tokens[-1:]
@@ -166,8 +173,13 @@ class Engine:
     # requests
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queues a prompt (token ids, or text when the engine has a tokenizer); returns its id."""
+        """Queues a prompt (token ids, text when the engine has a tokenizer, or a MultimodalPrompt with
+        its images); returns its id."""
         params = params or SamplingParams()
+        prompt, spans, cache_prompt = (prompt.ids, prompt.spans, prompt.cache_ids) \
+            if isinstance(prompt, MultimodalPrompt) else (prompt, [], None)
+        if spans and self.images is None:
+            raise ValueError("prompt: this model has no vision tower; it takes no images")
         ids = self._prompt_ids(prompt)
         vocab = self.model.config.vocab_size
         # What a step would otherwise fail on, for every request in it: checked here, for this one.
@@ -185,7 +197,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None:
             self.grammars.add(request_id, params.structured_outputs)
-        request = Request(request_id, ids, params, next(self._arrivals))
+        request = Request(request_id, ids, params, next(self._arrivals), images=spans, cache_prompt=cache_prompt)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -278,6 +290,8 @@ class Engine:
             stats["prefix_cache_hit_rate"] = self.prefix_cache.hit_rate
         if self.speculator is not None:
             stats.update(self.stats_counters.as_dict())
+        if self.images is not None:
+            stats.update(encoder_cache_hits=self.images.hits, encoder_runs=self.images.misses)
         return stats
 
     def _warm(self, num_rows: int, num_tokens: int) -> None:
@@ -370,7 +384,9 @@ class Engine:
             if request.restore_from is not None:
                 self.runner.copy_slot(request.restore_from, request.slot)
                 request.restore_from = None
-        logits, taps = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens)
+        embeds = self.images.step_embeds(rows, num_rows, num_tokens) if self.images is not None else None
+        logits, taps = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens,
+                                       embeds=embeds)
         if self.speculator is not None:  # the draft reads the target's hidden states of these tokens
             self.speculator.observe([(r, r.computed, len(new)) for new, r in rows], taps)
         for new, request in rows:

@@ -2,6 +2,10 @@
 
 `model=None` is the embedded k3-tiny: trained weights shipped in the package (`k3jax/weights/`,
 rebuilt by `make weights`, see `k3jax/train/`) and loaded like any other checkpoint.
+
+Images, as vLLM takes them: `generate({"prompt": "... <|kimi_image_placeholder|> ...",
+"multi_modal_data": {"image": PIL.Image or a list}})`, one placeholder per image, and `chat` with
+`image_url` (data: URLs) or `image_pil` parts; a checkpoint with a vision tower only.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import os
 
 import k3jax
 from k3jax.loading import from_pretrained
+from serve.chat.encoding import tokenize_messages
 from serve.engine import Engine, EngineOptions, RequestOutput
+from serve.multimodal import chat_prompt, expand_images, load_image
 from serve.sampling import SamplingParams
 
 DEFAULT_MODEL = "k3-tiny"
@@ -49,10 +55,45 @@ class LLM:
         return self.engine.stats()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """prompts: a string, a list of token ids, a dict {"prompt" (text) or "prompt_token_ids",
+        "multi_modal_data": {"image": images}} (vLLM's form), or a list of these. Returns one output per
+        prompt, in order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        return self.engine.generate(prompts, params)
+        return self.engine.generate([self._with_images(p) if isinstance(p, dict) else p for p in prompts], params)
+
+    def chat(self, messages: list, params: SamplingParams | list[SamplingParams] | None = None, *,
+             tools: list[dict] | None = None, thinking: bool = True) -> list[RequestOutput]:
+        """Conversations in K3's chat format (serve/chat), images included: one conversation (a list of
+        messages) or a list of them, as vLLM's LLM.chat. Returns one output per conversation."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        processor = None if self.model.vision is None else self.model.vision.processor
+        tokenizer = self.engine.tokenizer
+        prompts = [chat_prompt(tokenize_messages(tokenizer, c, tools=tools, thinking=thinking), c, tokenizer, processor)
+                   for c in conversations]
+        return self.generate(prompts, params)
+
+    def _with_images(self, prompt: dict):
+        """vLLM's prompt dict as the engine's prompt: the text or ids, expanded around its images."""
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        data = prompt.get("multi_modal_data") or {}
+        if unknown or set(data) - {"image"}:
+            raise ValueError(f"prompt: unknown keys {sorted(unknown | (set(data) - {'image'}))} (this model takes "
+                             "images only)")
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if (text is None) == (ids is None):
+            raise ValueError("prompt: give one of 'prompt' (text) and 'prompt_token_ids'")
+        images = data.get("image", [])
+        images = images if isinstance(images, list) else [images]
+        if not images:
+            return text if ids is None else ids
+        if self.model.vision is None:
+            raise ValueError("multi_modal_data: this model has no vision tower; it takes no images")
+        tokenizer = self.engine.tokenizer
+        ids = tokenizer.encode_prompt(text) if ids is None else ids
+        inputs = [load_image(image, self.model.vision.processor, field=f"multi_modal_data.image[{i}]")
+                  for i, image in enumerate(images)]
+        return expand_images(ids, inputs, tokenizer)

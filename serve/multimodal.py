@@ -12,6 +12,9 @@ Pad tokens are the same id for every image, so the prefix cache would take two p
 text and different images for one prefix. Each prompt therefore also gets `cache_ids`: its ids with
 the pad positions of an image replaced by one value derived from the image's content hash, above
 any token id (the hash chain reads int64s), which is what the prefix cache hashes.
+
+`chat_images` / `chat_prompt` read a chat request's image parts (the server's and `LLM.chat`'s);
+the engine feeds the encoder's outputs to the prefill chunks (serve/encoder_cache.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import dataclasses
 import hashlib
 import os
 import urllib.parse
+
+from PIL import Image
 
 from k3jax.vision.config import ImageProcessorConfig
 from k3jax.vision.preprocess import PreparedImage, decode_image, prepare
@@ -94,10 +99,15 @@ def image_bytes(url: str, *, field: str, allowed_local_media_path: str | None = 
     raise ValueError(f"{field}: expected a data: URL (or file:// with --allowed-local-media-path)")
 
 
-def load_image(data: bytes, processor: ImageProcessorConfig, *, field: str) -> ImageInput:
-    """Decodes and prepares an image (the pixel limit checked on the header first)."""
+def load_image(data, processor: ImageProcessorConfig, *, field: str) -> ImageInput:
+    """Decodes and prepares an image: encoded bytes (the pixel limit checked on the header first) or
+    a Pillow image."""
     try:
-        return ImageInput.from_image(decode_image(data, processor), processor)
+        if isinstance(data, (bytes, bytearray)):
+            data = decode_image(bytes(data), processor)
+        elif not isinstance(data, Image.Image):
+            raise ValueError(f"expected encoded image bytes or a PIL.Image, got {type(data).__name__}")
+        return ImageInput.from_image(data, processor)
     except ValueError as error:
         raise ValueError(f"{field}: {error}") from error
 
@@ -125,3 +135,44 @@ def expand_images(ids: list[int], images: list[ImageInput], tokenizer) -> Multim
         out += head + [pad] * image.num_tokens + [end]
         keys += head + [key] * image.num_tokens + [end]
     return MultimodalPrompt(out, keys, spans)
+
+
+IMAGE_PART_TYPES = ("image_url", "image", "image_pil")  # what serve/chat/encoding.py renders as a placeholder
+DEFAULT_IMAGE_LIMIT = 999  # images per prompt: vLLM V1's default for --limit-mm-per-prompt
+
+
+def chat_images(messages: list, processor: ImageProcessorConfig | None, *, allowed_local_media_path: str | None = None,
+                limit: int = DEFAULT_IMAGE_LIMIT) -> list[ImageInput]:
+    """The images of chat messages' `image_url` parts, in prompt order (the order of their
+    placeholders: serve/chat/encoding.py). `processor` None: the model has no vision tower, and an
+    image is refused. ValueErrors name the part, `messages[i].content[j]`."""
+    images = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in IMAGE_PART_TYPES:
+                continue
+            field = f"messages[{i}].content[{j}]"
+            if processor is None:
+                raise ValueError(f"{field}: this model has no vision tower; it takes no images")
+            if len(images) == limit:
+                raise ValueError(f"{field}: at most {limit} images per prompt on this server (--limit-mm-per-prompt)")
+            if kind == "image_pil":  # vLLM's offline form: a Pillow image (LLM.chat)
+                images.append(load_image(part.get("image_pil"), processor, field=field))
+                continue
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if kind != "image_url" or not isinstance(url, str):
+                raise ValueError(f"{field}: an image part is {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}")
+            data = image_bytes(url, field=field, allowed_local_media_path=allowed_local_media_path)
+            images.append(load_image(data, processor, field=field))
+    return images
+
+
+def chat_prompt(ids: list[int], messages: list, tokenizer, processor: ImageProcessorConfig | None, *,
+                allowed_local_media_path: str | None = None, limit: int = DEFAULT_IMAGE_LIMIT):
+    """A rendered chat prompt (`ids`, one placeholder per image part) with the messages' images: a
+    MultimodalPrompt, or `ids` as they are when the messages hold no image. ValueErrors as `chat_images`."""
+    images = chat_images(messages, processor, allowed_local_media_path=allowed_local_media_path, limit=limit)
+    return expand_images(ids, images, tokenizer) if images else ids

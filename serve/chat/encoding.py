@@ -246,7 +246,7 @@ def _content_pieces(content: Any, field: str) -> list[Piece]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             pieces += [Piece(part["text"])] if part["text"] else []
-        elif kind in ("image_url", "image"):
+        elif kind in ("image_url", "image", "image_pil"):  # serve/multimodal.py reads their images
             pieces.append(Piece(IMAGE_PLACEHOLDER, True))
         else:
             raise ValueError(f"{field}[{i}].type: expected a text part (with a string `text`) or an image part")
