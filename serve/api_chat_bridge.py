@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pydantic
 from pydantic import BaseModel
@@ -143,15 +143,18 @@ def matched_stop(output: RequestOutput, stops: tuple[str, ...], tokenizer) -> st
 Block = tuple
 
 
-async def stream_blocks(run: ChatRun, totals: Totals) -> AsyncIterator[Block]:
+async def stream_blocks(run: ChatRun, totals: Totals,
+                        on_output: Callable[[RequestOutput], None] | None = None) -> AsyncIterator[Block]:
     """The run's output as blocks, as it streams; `totals` joins the output for usage and the stop
-    reason. Raises RequestFailed when the request fails; the engine request is aborted when the
-    stream ends early (the client left)."""
+    reason, `on_output` sees each output delta before its blocks come. Raises RequestFailed when the
+    request fails; the engine request is aborted when the stream ends early (the client left)."""
     parser = OutputParser(thinking=run.prompt.thinking, tools=run.prompt.tools, stream_reasoning=True)
     blocks = _Blocks()
     try:
         async for index, output in run.outputs:
             totals.add(index, output)
+            if on_output is not None:
+                on_output(output)
             for block in blocks.feed(parser.feed(output.text or "")):
                 yield block
             if output.finished:
@@ -161,6 +164,37 @@ async def stream_blocks(run: ChatRun, totals: Totals) -> AsyncIterator[Block]:
             yield block
     finally:
         run.group.abort()
+
+
+class ContentTokens:
+    """Which output tokens are the response channel's text, the content (whose logprobs are the
+    output_text's). Every K3 marker is one special token, so the channel is read off the token ids:
+    the content is the text tokens after `<|open|>response<|sep|>` (from the start in instant mode,
+    whose prompt opened the response channel) up to the next special token."""
+
+    def __init__(self, tokenizer, thinking: bool):
+        self._tokenizer = tokenizer
+        self._open, self._sep = tokenizer.token_id("<|open|>"), tokenizer.token_id("<|sep|>")
+        self._in_content = not thinking
+        self._header: list[int] | None = None  # the channel name after an opener, until its <|sep|>
+
+    def positions(self, token_ids: list[int]) -> list[int]:
+        """The positions in `token_ids`, the output's next tokens, of its content tokens."""
+        positions = []
+        for i, token in enumerate(token_ids):
+            if self._header is not None:
+                if token == self._sep:
+                    self._in_content = self._tokenizer.decode(self._header) == "response"
+                    self._header = None
+                else:
+                    self._header.append(token)
+            elif token == self._open:
+                self._header, self._in_content = [], False
+            elif token in self._tokenizer.special_ids:
+                self._in_content = False
+            elif self._in_content:
+                positions.append(i)
+        return positions
 
 
 class _Blocks:

@@ -93,17 +93,22 @@ class ChatChoice:
         return "tool_calls" if called_tools else output.finish_reason
 
     def _logprobs(self, token_ids: list[int], entries: list[dict]) -> dict:
-        content = []
-        for token_id, entry in zip(token_ids, entries):
-            top = sorted(entry.items(), key=lambda item: -item[1])[:self.top_logprobs]
-            content.append({**self._token(token_id, entry[token_id]),
-                            "top_logprobs": [self._token(i, logprob) for i, logprob in top]})
-        return {"content": content}
+        return {"content": token_logprobs(self.tokenizer, token_ids, entries, self.top_logprobs)}
 
-    def _token(self, token_id: int, logprob: float) -> dict:
-        raw = self.tokenizer.token_bytes(token_id)
+
+def token_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[dict], top_logprobs: int) -> list[dict]:
+    """OpenAI's logprobs of tokens (chat's `logprobs.content`, the Responses API's output_text
+    `logprobs`): token, logprob, bytes and the top_logprobs best alternatives, best first."""
+    def token(token_id: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, MIN_LOGPROB),
                 "bytes": list(raw)}
+
+    out = []
+    for token_id, entry in zip(token_ids, entries):
+        top = sorted(entry.items(), key=lambda item: -item[1])[:top_logprobs]
+        out.append({**token(token_id, entry[token_id]), "top_logprobs": [token(i, logprob) for i, logprob in top]})
+    return out
 
 
 def _joined(deltas: list[Delta]) -> dict:

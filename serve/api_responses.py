@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: `POST /v1/responses` (whole or streamed) and `GET /v1/responses/{id}`.
+"""OpenAI's Responses API: `POST /v1/responses` (whole or streamed), `GET` and `DELETE
+/v1/responses/{id}`, and `POST /v1/responses/{id}/cancel`.
 
 A request becomes a chat completion request (serve/api_chat_bridge.py) and runs as one. Its
 `instructions` are a system message; `input` is a string (one user message) or items: messages
@@ -17,15 +18,22 @@ its arguments (response.function_call_arguments.delta / .done), the .done events
 response.output_item.done, then response.completed (response.incomplete when max_output_tokens
 cut it). `usage.output_tokens_details.reasoning_tokens` counts the reasoning text re-tokenized.
 
+With `include: ["message.output_text.logprobs"]` the output_text carries the logprobs of its
+tokens (the response channel's text tokens, serve/api_chat_bridge.py `ContentTokens`) with
+`top_logprobs` alternatives each, in OpenAI's shape (token, logprob, bytes, top_logprobs); a stream's
+output_text deltas carry those of the tokens that arrived since the previous delta.
+
 `previous_response_id` continues a stored response (`store`, the default): its conversation and
 output come before this request's input, as OpenAI does, and its instructions do not. Responses are
-stored in this process only, the last MAX_STORED of them.
+stored in this process only, the last MAX_STORED of them; GET returns one, DELETE forgets it.
+Every response is synchronous (no `background`), so cancel answers as vLLM 0.33 does for one: 404
+for an unknown id, else 400 "Cannot cancel a synchronous response.".
 
 Recognised but not servable, hence a 400 naming the field: image and file parts (images are not
 served yet), encrypted reasoning, item references, non-function tools, reasoning summaries, a
 `text.format` other than text (no constrained decoding), `parallel_tool_calls: false`,
-`background`, `truncation: "auto"`, `top_logprobs`, `include`, `conversation`, `prompt`,
-`max_tool_calls`.
+`background`, `truncation: "auto"`, `include` items other than the output_text logprobs,
+`top_logprobs` without them, vLLM's `prompt_logprobs`, `conversation`, `prompt`, `max_tool_calls`.
 """
 
 from __future__ import annotations
@@ -40,18 +48,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from serve.api_chat_bridge import (ChatRun, chat_prompt, request_schema, run_chat, stream_blocks,
+from serve.api_chat_bridge import (ChatRun, ContentTokens, chat_prompt, request_schema, run_chat, stream_blocks,
                                    stream_error_message, test_hook_fields, whole_output)
 from serve import api_checks
 from serve.api_checks import FieldError
-from serve.api_outputs import Totals
+from serve.api_outputs import Totals, token_logprobs
 from serve.api_protocol import SamplingRequest, Strict
 from serve.api_common import APIError, ServerConfig, check_model, unless_disconnected
 from serve.async_engine import AsyncEngine
 from serve.chat import parse_output
 from serve.engine import RequestOutput
+from serve.sampling import MAX_LOGPROBS
 
 MAX_STORED = 1024  # responses kept for previous_response_id; the oldest goes first
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` item served
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "reasoning_text", "summary_text")
 # An assistant turn's parts in the order K3 writes them; an item that cannot follow the turn's last
@@ -89,23 +99,31 @@ class ResponsesRequest(SamplingRequest):
     store: bool = True
     metadata: dict[str, str] | None = None  # returned with the response
     text: dict[str, Any] | None = None  # only {"format": {"type": "text"}}
+    include: list[str] | None = None  # only OUTPUT_LOGPROBS
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per output_text token
     # Recognised, not served: refused unless neutral.
     parallel_tool_calls: bool = True
     background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"
-    top_logprobs: int | None = None
-    include: list[str] | None = None
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
     UNSUPPORTED: ClassVar[tuple] = (("prompt_logprobs", None), ("parallel_tool_calls", True), ("background", False),
-                                    ("truncation", "disabled"), ("top_logprobs", None), ("conversation", None),
-                                    ("prompt", None), ("max_tool_calls", None))
+                                    ("truncation", "disabled"), ("conversation", None), ("prompt", None),
+                                    ("max_tool_calls", None))
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.include:
-            raise ValueError("include: not supported by this server (reasoning is returned as text, unencrypted)")
+        for i, item in enumerate(self.include or ()):
+            if item != OUTPUT_LOGPROBS:
+                raise ValueError(f"include[{i}]: {item!r} is not supported by this server (only {OUTPUT_LOGPROBS!r}; "
+                                 "reasoning is returned as text, unencrypted)")
+        if self.top_logprobs and not self.wants_logprobs:
+            raise ValueError(f"top_logprobs: needs include [{OUTPUT_LOGPROBS!r}]")
         if self.reasoning is not None and self.reasoning.summary is not None:
             raise ValueError("reasoning.summary: not supported by this server (K3 writes no summary; the "
                              "reasoning itself is returned)")
@@ -134,6 +152,8 @@ class ResponsesRequest(SamplingRequest):
             fields["tool_choice"] = self.tool_choice
         if self.reasoning is not None and self.reasoning.effort is not None:
             fields["reasoning_effort"] = self.reasoning.effort
+        if self.wants_logprobs:
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         return fields, sources
 
 
@@ -241,11 +261,25 @@ def add_responses_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig
     create.__annotations__["body"] = request_schema(ResponsesRequest, config)
     app.post("/v1/responses")(create)
 
+    def stored_response(response_id: str) -> dict:
+        if response_id not in stored:
+            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id")
+        return stored[response_id][1]
+
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str):
-        if response_id not in stored:
-            raise APIError(404, f"no stored response {response_id!r}", param="response_id")
-        return stored[response_id][1]
+        return stored_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        stored_response(response_id)
+        del stored[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str):
+        stored_response(response_id)  # every response here is synchronous: finished once stored
+        raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
 
 
 class _Response:
@@ -258,6 +292,7 @@ class _Response:
         self.created_at = int(time.time())
         self.model = config.model_name
         self.sequence_number = 0
+        self.top_logprobs = (body.top_logprobs or 0) if body.wants_logprobs else None  # None: no logprobs
 
     def envelope(self, status: str, output: list, usage: dict | None) -> dict:
         body = self.body
@@ -270,7 +305,21 @@ class _Response:
                 "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
                 "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
                 "text": {"format": {"type": "text"}}, "tool_choice": _dumped(body.tool_choice) or "auto",
-                "tools": [tool.model_dump() for tool in body.tools or ()], "truncation": "disabled", "usage": usage}
+                "tools": [tool.model_dump() for tool in body.tools or ()], "top_logprobs": body.top_logprobs,
+                "truncation": "disabled", "usage": usage}
+
+    def content_tokens(self, run: ChatRun) -> ContentTokens | None:
+        """The reader of the content's tokens when logprobs were asked for, else None."""
+        return None if self.top_logprobs is None else ContentTokens(self.tokenizer, run.prompt.thinking)
+
+    def logprobs(self, content: ContentTokens | None, output: RequestOutput) -> list[dict]:
+        """The output_text logprobs of the content tokens among `output`'s (a whole output or a delta)."""
+        if content is None:
+            return []
+        entries = output.logprobs or []  # none when the test hook forced the output
+        positions = [i for i in content.positions(output.token_ids) if i < len(entries)]
+        return token_logprobs(self.tokenizer, [output.token_ids[i] for i in positions],
+                              [entries[i] for i in positions], self.top_logprobs)
 
     def final(self, output_items: list, output: RequestOutput) -> dict:
         reasoning = "".join(item["content"][0]["text"] for item in output_items if item["type"] == "reasoning")
@@ -286,7 +335,8 @@ class _Response:
         output = await whole_output(run)
         parsed = parse_output(output.text or "", thinking=run.prompt.thinking, tools=run.prompt.tools)
         items = [_reasoning_item(parsed.reasoning_content)] if parsed.reasoning_content else []
-        items += [_message_item(parsed.content)] if parsed.content else []
+        items += [_message_item(parsed.content, self.logprobs(self.content_tokens(run), output))] \
+            if parsed.content else []
         items += [_call_item(call) for call in parsed.tool_calls]
         final = self.final(items, output)
         store(final)
@@ -302,8 +352,20 @@ class _Response:
         yield self.event("response.created", response=self.envelope("in_progress", [], None))
         yield self.event("response.in_progress", response=self.envelope("in_progress", [], None))
         totals, items, text = Totals(1), [], ""
+        content = self.content_tokens(run)
+        pending, sent = [], []  # the content's logprobs not yet sent with a delta; those sent in this item
+
+        def on_output(output: RequestOutput) -> None:
+            pending.extend(self.logprobs(content, output))
+
+        def delta_logprobs() -> list[dict]:
+            taken = pending.copy()
+            pending.clear()
+            sent.extend(taken)
+            return taken
+
         try:
-            async for block in stream_blocks(run, totals):
+            async for block in stream_blocks(run, totals, on_output):
                 where = {"output_index": len(items) - 1}
                 if block[0] == "open":
                     item = _ITEMS[block[1]]("")
@@ -315,14 +377,21 @@ class _Response:
                     yield self.event("response.content_part.added", **where, content_index=0, part=part)
                 elif block[0] == "text":
                     text += block[2]
-                    delta = {"delta": block[2]} if block[1] == "reasoning" else {"delta": block[2], "logprobs": []}
+                    delta = {"delta": block[2]} if block[1] == "reasoning" else \
+                        {"delta": block[2], "logprobs": delta_logprobs()}
                     yield self.event(f"response.{_TEXT_EVENTS[block[1]]}.delta", item_id=items[-1]["id"], **where,
                                      content_index=0, **delta)
                 elif block[0] == "close":
                     item, where = items[-1], {"item_id": items[-1]["id"], **where}
-                    part = _part(block[1], text)
+                    extra = {}
+                    if block[1] == "text":
+                        if pending:  # tokens whose text the parser dropped: their logprobs still come
+                            yield self.event("response.output_text.delta", **where, content_index=0, delta="",
+                                             logprobs=delta_logprobs())
+                        extra = {"logprobs": sent.copy()}
+                        sent.clear()
+                    part = _part(block[1], text, **extra)
                     item["content"].append(part)
-                    extra = {} if block[1] == "reasoning" else {"logprobs": []}
                     yield self.event(f"response.{_TEXT_EVENTS[block[1]]}.done", **where, content_index=0, text=text,
                                      **extra)
                     yield self.event("response.content_part.done", **where, content_index=0, part=part)
@@ -352,10 +421,10 @@ def _dumped(value):
     return value.model_dump() if hasattr(value, "model_dump") else value
 
 
-def _part(kind: str, text: str) -> dict:
+def _part(kind: str, text: str, logprobs: list | None = None) -> dict:
     if kind == "reasoning":
         return {"type": "reasoning_text", "text": text}
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _reasoning_item(text: str) -> dict:
@@ -363,9 +432,9 @@ def _reasoning_item(text: str) -> dict:
             "content": [_part("reasoning", text)], "status": "completed"}
 
 
-def _message_item(text: str) -> dict:
+def _message_item(text: str, logprobs: list | None = None) -> dict:
     return {"id": f"msg_{secrets.token_hex(24)}", "type": "message", "role": "assistant", "status": "completed",
-            "content": [_part("text", text)]}
+            "content": [_part("text", text, logprobs)]}
 
 
 _ITEMS = {"reasoning": _reasoning_item, "text": _message_item}

@@ -5,10 +5,14 @@ calls through the test hook that forces the model's output."""
 import itertools
 import json
 
+import numpy as np
 import openai
 import pytest
 
-from tests.serve.test_server import LONG, MODEL, TOOL_CALL_OUTPUT, start_server, wait_idle
+import k3jax
+from serve.llm import default_model_dir, load_tokenizer
+from tests.agreement import FP32, Referee
+from tests.serve.test_server import API_KEY, LONG, MODEL, TOOL_CALL_OUTPUT, post, start_server, wait_idle
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather by city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -119,7 +123,9 @@ BAD_REQUESTS = [
     ({"text": {"format": {"type": "json_object"}}}, "text"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"background": True}, "background"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"top_logprobs": 2}, "top_logprobs: needs include"),
+    ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
     ({"previous_response_id": "resp_nothing"}, "previous_response_id"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x" * 1100}, "max_model_len=1024"),
@@ -135,3 +141,66 @@ def test_bad_request_is_400_naming_the_field(server, kwargs, names):
 
 def test_unknown_fields_ignored(server):
     assert create(server, max_output_tokens=1, extra_body={"no_such_field": 1, **LONG}).usage.output_tokens == 1
+
+
+def test_output_text_logprobs_whole_and_streamed_match_the_reference(server):
+    """Instant mode with every special token banned: all output tokens are the content's. Their
+    logprobs (a whole response's, and the stream's deltas joined) are the reference forward's over
+    the prompt and those tokens; the stream, run alone as the whole one, gives the same figures."""
+    tokenizer = load_tokenizer(default_model_dir())
+    text_only = {**LONG, "logit_bias": {str(i): -100 for i in tokenizer.special_ids}}
+    kwargs = {"temperature": 0, "reasoning": INSTANT, "include": ["message.output_text.logprobs"],
+              "top_logprobs": 2, "extra_body": text_only}
+    wait_idle(server)
+    whole = create(server, **kwargs)
+    wait_idle(server)
+    events = list(create(server, stream=True, **kwargs))
+    logprobs = whole.output[0].content[0].logprobs
+    assert len(logprobs) == whole.usage.output_tokens == 8 and "".join(lp.token for lp in logprobs) == whole.output_text
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done").logprobs
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in logprobs]
+    assert [lp.model_dump() for lp in done] == [lp.model_dump() for lp in final] == \
+        [lp.model_dump() for lp in logprobs]
+    assert events[-1].response.top_logprobs == 2
+    # the reference: the chat prompt of the same conversation, then the output tokens, teacher-forced
+    _, body = post(server, "/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                         "reasoning_effort": "none"})
+    prompt = json.loads(body)["tokens"]
+    assert len(prompt) == whole.usage.input_tokens
+    by_bytes = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_ids}
+    output = [by_bytes[bytes(lp.bytes)] for lp in logprobs]
+    logits = Referee(k3jax.from_pretrained(default_model_dir(), dtype="float32"), pad=512).run(prompt + output).logits
+    want = logits - np.logaddexp.reduce(logits.astype(np.float64), axis=-1, keepdims=True)
+    tol = 2 * FP32.logits * np.abs(want).max()
+    for t, lp in enumerate(logprobs):
+        row = want[len(prompt) - 1 + t]
+        assert abs(lp.logprob - row[output[t]]) <= tol
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+        assert [top.logprob for top in lp.top_logprobs] == pytest.approx(np.sort(row)[::-1][:2], abs=tol)
+
+
+def test_without_include_no_logprobs(server):
+    response = create(server, reasoning=INSTANT, max_output_tokens=2, extra_body=LONG)
+    assert response.output[-1].content[0].logprobs == [] and response.top_logprobs is None
+
+
+def test_delete_forgets_and_cancel_answers_as_vllm_for_a_synchronous_response(server):
+    client = server.client()
+    response = create(server, max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.cancel(response.id)
+    assert error.value.body["message"] == "Cannot cancel a synchronous response." and \
+        error.value.body["param"] == "response_id"
+    assert client.responses.retrieve(response.id).id == response.id  # cancel changed nothing
+    status, body = server.request("DELETE", f"/v1/responses/{response.id}",
+                                  headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200 and json.loads(body) == {"id": response.id, "object": "response", "deleted": True}
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError):
+            call(response.id)
+    with pytest.raises(openai.BadRequestError) as error:
+        create(server, previous_response_id=response.id)
+    assert error.value.body["param"] == "previous_response_id"
+    client.responses.delete(create(server, max_output_tokens=1).id)  # the official client's call
