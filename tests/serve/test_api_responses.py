@@ -10,6 +10,8 @@ import openai
 import pytest
 
 import k3jax
+from serve.api_chat_bridge import ContentTokens
+from serve.chat import parse_output
 from serve.llm import default_model_dir, load_tokenizer
 from tests.agreement import FP32, Referee
 from tests.serve.test_server import API_KEY, LONG, MODEL, TOOL_CALL_OUTPUT, post, start_server, wait_idle
@@ -204,3 +206,19 @@ def test_delete_forgets_and_cancel_answers_as_vllm_for_a_synchronous_response(se
         create(server, previous_response_id=response.id)
     assert error.value.body["param"] == "previous_response_id"
     client.responses.delete(create(server, max_output_tokens=1).id)  # the official client's call
+
+
+@pytest.mark.parametrize(("text", "thinking"), [
+    ("Plan.<|close|>think<|sep|><|open|>response<|sep|>Hello there.<|close|>response<|sep|><|close|>message<|sep|>", True),
+    ("Hello there.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>", False),
+    (TOOL_CALL_OUTPUT, True)], ids=["thinking", "instant", "tool_call"])
+def test_content_tokens_decode_to_the_parsers_content(text, thinking):
+    """The tokens whose logprobs output_text carries are those of the content the K3 parser reads,
+    fed in deltas of any split."""
+    tokenizer = load_tokenizer(default_model_dir())
+    ids = tokenizer.encode(text, allow_special=True)
+    want = parse_output(text, thinking=thinking, tools=[WEATHER]).content or ""
+    for split in range(len(ids)):
+        content = ContentTokens(tokenizer, thinking)
+        positions = content.positions(ids[:split]) + [split + p for p in content.positions(ids[split:])]
+        assert tokenizer.decode([ids[p] for p in positions]) == want
