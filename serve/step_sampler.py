@@ -20,7 +20,7 @@ class StepSampler:
     batch: sampling.SamplingBatch
     counts: np.ndarray | None
     prompt_mask: np.ndarray | None
-    num_logprobs: int
+    num_logprobs: int | None
     vocab_size: int
 
     @classmethod
@@ -39,7 +39,7 @@ class StepSampler:
         batch = batch._replace(banned_bits=sampling.restrict(batch.banned_bits, allowed))
         counts, prompt_mask = penalty_inputs(ready, num_rows, vocab_size)
         wants_logprobs = any(r.params.logprobs is not None for _, r in ready)
-        return cls(batch, counts, prompt_mask, sampling.MAX_LOGPROBS if wants_logprobs else 0, vocab_size)
+        return cls(batch, counts, prompt_mask, sampling.MAX_LOGPROBS if wants_logprobs else None, vocab_size)
 
     def __call__(self, logits) -> sampling.SampleResult:
         return sampling.sample(logits, self.batch, self.counts, self.prompt_mask, num_logprobs=self.num_logprobs)

@@ -63,12 +63,13 @@ def draft_keys(batch: SamplingBatch) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits: jax.Array | None, num_drafts: jax.Array,
            batch: SamplingBatch, output_counts: jax.Array, prompt_mask: jax.Array, *,
-           num_logprobs: int = 0) -> VerifyResult:
+           num_logprobs: int | None = 0) -> VerifyResult:
     """Accepts a prefix of each row's drafts and samples the token after it.
 
     target_logits [N, K+1, V]; drafts int32 [N, K] (the first num_drafts[n] are real); draft_logits
     float32 [N, K, V] for probabilistic drafts, None for greedy ones; batch from `window_batch`;
-    output_counts int32 [N, V] and prompt_mask bool [N, V] (or both None) as for `sampling.sample`.
+    output_counts int32 [N, V] and prompt_mask bool [N, V] (or both None) and num_logprobs (None: no
+    logprob fields) as for `sampling.sample`.
     """
     n, window, vocab = target_logits.shape
     k = window - 1
@@ -79,7 +80,7 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits: jax.Array 
     penalised = sampling.penalised_logits(logits, batch, output_counts, prompt_mask).reshape(n, window, vocab)
     greedy = batch.temperature.reshape(n, window)[:, 0] == 0
     has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
-    argmax = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    argmax = sampling.argmax(penalised)
 
     def greedy_rows():
         num_accepted = _prefix_length((drafts == argmax[:, :k]) & has_draft)
@@ -118,6 +119,8 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits: jax.Array 
     padded_drafts = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(positions < num_accepted[:, None], padded_drafts,
                        jnp.where(positions == num_accepted[:, None], next_token[:, None], -1))
+    if num_logprobs is None:
+        return VerifyResult(num_accepted, tokens, None, None, None)
     logprob, top_ids, top_logprobs = sampling.raw_logprobs(target_logits.astype(jnp.float32),
                                                            jnp.maximum(tokens, 0), num_logprobs)
     return VerifyResult(num_accepted, tokens, logprob, top_ids, top_logprobs)

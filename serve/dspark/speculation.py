@@ -170,7 +170,7 @@ def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts):
     counts, prompt_mask = penalty_inputs(ready, num_rows, logits.shape[-1])
     wants_logprobs = any(r.params.logprobs is not None for r in requests)
     return rejection.verify(logits, drafts, _draft_logits(engine, requests, num_rows), num_drafts, batch, counts,
-                            prompt_mask, num_logprobs=sampling.MAX_LOGPROBS if wants_logprobs else 0)
+                            prompt_mask, num_logprobs=sampling.MAX_LOGPROBS if wants_logprobs else None)
 
 
 def _draft_logits(engine, requests, num_rows: int):

@@ -4,7 +4,7 @@ statistical checks on 2000 draws; reproducibility of per-request seeds; one comp
 import numpy as np
 import pytest
 
-from serve.sampling import (MAX_LOGPROBS, SamplingBatch, SamplingParams, apply_penalties, sample,
+from serve.sampling import (MAX_LOGPROBS, SamplingBatch, SamplingParams, apply_penalties, argmax, sample,
                             token_counts, update_counts)
 
 B, V = 16, 64  # most tests share this shape, so they share one compilation
@@ -71,6 +71,24 @@ def test_greedy_rows_in_a_random_batch_are_argmax():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5)] * (B // 2)
     tokens, *_ = run(LOGITS, batch_of(params))
     np.testing.assert_array_equal(tokens[::2], LOGITS[::2].argmax(-1))
+
+
+def test_argmax_takes_the_first_of_ties_as_numpy_does():
+    # integer-valued logits: many ties; a row of -inf (everything banned) and one holding +inf
+    x = rng.integers(-3, 4, (8, 1000)).astype(np.float32)
+    x[1] = -np.inf
+    x[2, [17, 400]] = np.inf
+    np.testing.assert_array_equal(np.asarray(argmax(x)), x.argmax(-1))
+    assert 0 <= int(argmax(np.full((1, 5), np.nan, np.float32))[0]) < 5  # in range, whatever it is
+
+
+def test_no_logprobs_samples_the_same_tokens():
+    params = [SamplingParams(temperature=t, seed=i, top_p=0.9) for i, t in enumerate([0.0, 0.8] * (B // 2))]
+    batch = batch_of(params)
+    counts, prompt_mask = np.zeros((B, V), np.int32), np.zeros((B, V), bool)
+    without = sample(LOGITS, batch, counts, prompt_mask, num_logprobs=None)
+    assert without.logprob is None and without.top_ids is None
+    np.testing.assert_array_equal(np.asarray(without.tokens), run(LOGITS, batch)[0])
 
 
 STATISTICAL_CASES = {
