@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ from serve.async_engine import AsyncEngine
 from serve.dspark import speculation
 from serve.engine import KV_CACHE_DTYPES, Engine, EngineOptions
 from serve import multihost
+from serve.multimodal import DEFAULT_IMAGE_LIMIT
 from serve.llm import DEFAULT_MODEL, cache_root, default_model_dir, load_tokenizer
 from sharding import distributed
 
@@ -67,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     parser.add_argument("--max-n", type=_positive, default=128, help="most choices (n, best_of) one request may "
                                                                      "ask for; more get 400")
+    parser.add_argument("--allowed-local-media-path", help="a directory under which file:// image URLs may be read "
+                                                          "(a security risk: for trusted clients only)")
+    parser.add_argument("--limit-mm-per-prompt", type=_mm_limits, default={"image": DEFAULT_IMAGE_LIMIT},
+                        help='JSON, most items per prompt by modality, e.g. \'{"image": 4}\' (default '
+                             f'{DEFAULT_IMAGE_LIMIT}, as vLLM V1); more get 400')
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for open requests before cancelling them")
     parser.add_argument("--slow-reader-timeout", type=float, default=30.0,
@@ -99,6 +106,19 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _mm_limits(text: str) -> dict:
+    """vLLM's --limit-mm-per-prompt; K3 takes images only, so another modality may only be limited to 0."""
+    try:
+        limits = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(limits, dict) or not all(isinstance(v, int) and v >= 0 for v in limits.values()):
+        raise argparse.ArgumentTypeError('expected a JSON object of counts, e.g. {"image": 4}')
+    if any(v for k, v in limits.items() if k != "image"):
+        raise argparse.ArgumentTypeError(f"this model takes images only, not {sorted(set(limits) - {'image'})}")
+    return {"image": limits.get("image", DEFAULT_IMAGE_LIMIT)}
 
 
 def _speculative_config(text: str) -> dict:
@@ -146,6 +166,8 @@ def _serve(engine: Engine, args, path: str, options: EngineOptions, log) -> int:
 
     config = ServerConfig(model_name=args.served_model_name or args.model or DEFAULT_MODEL, model_path=path,
                           api_key=args.api_key, max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+                          allowed_local_media_path=args.allowed_local_media_path,
+                          limit_mm_per_prompt=args.limit_mm_per_prompt["image"],
                           enable_test_hooks=args.enable_test_hooks)
     app = build_app(AsyncEngine(engine, max_queued_requests=args.max_queued_requests,
                                 stall_timeout_s=args.slow_reader_timeout), config)

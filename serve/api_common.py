@@ -26,6 +26,8 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1 routes need `Authorization: Bearer <api_key>`
     max_body_bytes: int = 16 << 20
     max_n: int = 128  # choices (n, best_of) one request may ask for
+    allowed_local_media_path: str | None = None  # file:// image URLs may read under this directory
+    limit_mm_per_prompt: int = 999  # images per prompt (vLLM V1's default)
     # TESTING ONLY: lets a chat request force the model's output (`k3jax_test_forced_output`).
     enable_test_hooks: bool = False
 

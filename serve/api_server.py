@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from serve import api_checks
+from serve import api_checks, multimodal
 from serve.api_anthropic import add_messages_routes
 from serve.api_checks import FieldError
 from serve.api_common import (APIError, ServerConfig, bad_request, check_model, error_response, forced_outputs,
@@ -90,6 +90,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 api_checks.check_text_only_prompt_logprobs(body.messages)
             forced = forced_tokens(body, tokenizer)
             prompt = await api_checks.chat_prompt_ids(tokenizer, body.messages, engine.max_model_len, **options)
+            vision = engine.engine.model.vision  # image parts: a 400 naming the part unless the model has a tower
+            inputs = await asyncio.to_thread(multimodal.chat_prompt, prompt, body.messages, tokenizer,
+                                             None if vision is None else vision.processor,
+                                             allowed_local_media_path=config.allowed_local_media_path,
+                                             limit=config.limit_mm_per_prompt)
+            if num_prompt_logprobs is not None and inputs is not prompt:  # the scoring forward reads no images
+                raise FieldError("prompt_logprobs", "prompt_logprobs: not served for prompts with images")
         if forced is not None:
             params = [dataclasses.replace(p, max_tokens=len(forced), ignore_eos=True) for p in params]
         choices = [ChatChoice(i, tokenizer, thinking=thinking, tools=tools if body.parses_tool_calls() else None,
@@ -98,7 +105,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         # vLLM's prompt_logprobs of a chat request: those of the encoded chat prompt, in the response
         extra = {} if num_prompt_logprobs is None else \
             {"prompt_logprobs": (await _scores(engine, prompt)).vllm(num_prompt_logprobs, tokenizer)}
-        group = await submit(engine, [(prompt, p) for p in params], rename={"prompt": "messages"})
+        group = await submit(engine, [(inputs, p) for p in params], rename={"prompt": "messages"})
         outputs = group if forced is None else forced_outputs(group, forced, tokenizer, params)
         if body.stream:
             return StreamingResponse(response.stream(group, outputs, choices, body.include_usage,

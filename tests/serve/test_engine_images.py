@@ -1,0 +1,302 @@
+"""Images through the engine and the server, against the decoder's own full forward on embeddings
+built here: the token table's rows, with each <|media_pad|> run replaced (NumPy) by the vision
+encoder's output for its image. The engine gets there through paged prefill chunks that split an image
+span, prefix-cache hits that resume inside one, and the encoder cache; all must give the reference's
+logprobs and greedy tokens. fp32, on a synthetic k3-tiny with a vision tower and fixed routing (every
+token takes the same experts by wide margins: paths compare by value, no router near-ties)."""
+
+import base64
+import functools
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from convert import synth
+from k3jax.presets import PRESETS
+from serve.chat.encoding import tokenize_messages
+from serve.llm import LLM
+from serve.multimodal import PLACEHOLDER
+from serve.sampling import SamplingParams
+from tests.agreement import FP32
+from tests.serve.test_server import API_KEY, start_server
+
+PAD = 128  # reference forwards are padded to a multiple of this length: few compiles
+CHUNK = 16  # the engine's longest prefill chunk (and its page size): a 24-token image spans two chunks
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
+
+
+def noise(seed, width=168, height=112) -> Image.Image:  # 168 x 112 px: 6 x 4 merged patches, 24 tokens
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8))
+
+
+def png_url(image: Image.Image) -> str:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("k3-tiny-vision")
+    synth.write_checkpoint(path, PRESETS["k3-tiny"], seed=2, fixed_routing=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint, dtype="float32", max_prefill_chunk=CHUNK, block_size=CHUNK, enable_prefix_caching=True,
+               max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def recorded(llm):
+    """Every step's rows (new tokens, tokens already cached) and embeddings override, as the runner got them."""
+    runner, calls = llm.engine.runner, []
+    run = runner.run
+
+    def recording(rows, num_rows, num_tokens, **kwargs):
+        calls.append(([(list(new), cached) for new, cached, _, _ in rows], kwargs.get("embeds")))
+        return run(rows, num_rows, num_tokens, **kwargs)
+
+    runner.run = recording
+    yield calls
+    runner.run = run
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(structure, params, tokens, values):
+    return structure.merge(params).forward(tokens, embeds=(values, jnp.ones(tokens.shape, bool))).logits
+
+
+def reference_logits(llm, ids, images) -> np.ndarray:
+    """The full forward of `ids` whose k-th run of <|media_pad|> tokens is embedded as the encoder's
+    output for images[k]: float32 [len(ids), V]."""
+    model = llm.model
+    table = np.asarray(model.structure.merge(model.params).embed_tokens[...])
+    length = -(-len(ids) // PAD) * PAD
+    values = np.zeros((1, length, table.shape[1]), np.float32)
+    values[0, :len(ids)] = table[ids]
+    pad = llm.engine.tokenizer.token_id("<|media_pad|>")
+    is_pad = np.asarray(ids) == pad
+    starts = [i for i in range(len(ids)) if is_pad[i] and (i == 0 or not is_pad[i - 1])]
+    assert len(starts) == len(images)
+    for start, image in zip(starts, images):
+        features = model.vision.encode(model.vision.prepare(image))
+        assert is_pad[start:start + len(features)].all() and not is_pad[start + len(features):][:1].any()
+        values[0, start:start + len(features)] = features
+    tokens = np.zeros((1, length), np.int32)
+    tokens[0, :len(ids)] = ids
+    return np.asarray(_forward(model.structure, model.params, jnp.asarray(tokens), jnp.asarray(values)))[0, :len(ids)]
+
+
+def check_against_reference(llm, output, images):
+    """The output's tokens are the reference's greedy tokens (teacher-forced, wherever the margin is
+    wider than fp32's tolerance) and their logprobs the reference's log-softmax."""
+    prompt, tokens = output.prompt_token_ids, output.token_ids
+    logits = reference_logits(llm, prompt + tokens[:-1], images)[len(prompt) - 1:]
+    tol = FP32.logits * np.abs(logits).max()
+    logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    for k, (token, entry) in enumerate(zip(tokens, output.logprobs)):
+        second, first = np.sort(logits[k])[-2:]
+        if first - second > tol:  # else a near-tie either path may take
+            assert token == int(np.argmax(logits[k])), f"position {k}"
+        assert abs(entry[token] - logprobs[k, token]) <= 2 * tol, f"position {k}"
+    return logits
+
+
+def image_prompt(llm, text, image):
+    return {"prompt": text, "multi_modal_data": {"image": image}}
+
+
+def test_chunked_prefill_and_prefix_cache_hits_inside_an_image_match_the_full_forward(llm, recorded):
+    # A prompt whose snapshot boundary (its last full page before its last token) falls inside the
+    # image's pads, so that the longer prompt after it resumes from the prefix cache mid-image.
+    pad = llm.engine.tokenizer.token_id("<|media_pad|>")
+    for k in range(CHUNK):
+        text = "x" * k + f"Look: {PLACEHOLDER} ok"
+        first = llm.generate(image_prompt(llm, text, noise(0)), GREEDY)[0]
+        ids = first.prompt_token_ids
+        span = (ids.index(pad), len(ids) - ids[::-1].index(pad))
+        boundary = (len(ids) - 1) // CHUNK * CHUNK
+        if span[0] < boundary < span[1]:
+            break
+    else:
+        pytest.fail("no prompt put its snapshot boundary inside the image")
+    assert span[1] - span[0] == 24
+    check_against_reference(llm, first, [noise(0)])
+    runs = llm.stats()["encoder_runs"]
+
+    calls = len(recorded)
+    longer = text + " and more words after it"
+    second = llm.generate(image_prompt(llm, longer, noise(0)), GREEDY)[0]
+    same_image = check_against_reference(llm, second, [noise(0)])
+    (new, cached), embeds = recorded[calls][0][0], recorded[calls][1]
+    assert cached == boundary and new[0] == pad  # resumed from the cache inside the image's pads
+    assert (embeds[1][0, :len(new)] == (np.asarray(new) == pad)).all()
+    assert llm.stats()["encoder_runs"] == runs  # the encoder cache had the image
+
+    # The same text behind another image: no page of the first image's is reused past its start.
+    calls = len(recorded)
+    third = llm.generate(image_prompt(llm, longer, noise(1)), GREEDY)[0]
+    other_image = check_against_reference(llm, third, [noise(1)])
+    assert recorded[calls][0][0][1] <= span[0]
+    assert llm.stats()["encoder_runs"] == runs + 1
+    assert third.prompt_token_ids == second.prompt_token_ids
+    assert np.abs(other_image[0] - same_image[0]).max() > 100 * FP32.logits * np.abs(same_image[0]).max()
+
+
+def test_a_chunk_that_splits_an_image_gets_its_part_of_the_embeddings(llm, recorded):
+    calls = len(recorded)
+    output = llm.generate(image_prompt(llm, f"Two: {PLACEHOLDER} and {PLACEHOLDER} end", [noise(2), noise(3, 56, 56)]),
+                          GREEDY)[0]
+    check_against_reference(llm, output, [noise(2), noise(3, 56, 56)])
+    pad = llm.engine.tokenizer.token_id("<|media_pad|>")
+    prompt, inside = output.prompt_token_ids, 0
+    for rows, embeds in recorded[calls:]:
+        for i, (new, cached) in enumerate(rows):
+            if len(new) > 1:  # a prefill chunk: the override is set exactly at its pads (None: it has none)
+                mask = np.zeros(len(new) + 1, bool) if embeds is None else embeds[1][i]
+                assert (mask[:len(new)] == (np.asarray(new) == pad)).all() and not mask[len(new):].any()
+                inside += 0 < cached < len(prompt) and prompt[cached - 1] == prompt[cached] == pad
+    assert inside, "no chunk started inside an image"
+
+
+def test_chat_with_an_image_part_and_a_batch_of_several_images(llm):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_pil", "image_pil": noise(4)}]}]
+    url = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                        {"type": "image_url", "image_url": {"url": png_url(noise(4))}}]}]
+    chats = llm.chat([messages, url], GREEDY)
+    assert chats[0].token_ids == chats[1].token_ids and chats[0].prompt_token_ids == chats[1].prompt_token_ids
+    tokenizer = llm.engine.tokenizer
+    text_ids = tokenize_messages(tokenizer, messages)  # one placeholder for the image:
+    head = 1 + len(tokenizer.encode("image 168x112")) + 1  # <|media_begin|>image WxH<|media_content|>
+    assert len(chats[0].prompt_token_ids) == len(text_ids) - 1 + head + 24 + 1  # the pads, <|media_end|>
+    check_against_reference(llm, chats[0], [noise(4)])
+    # several requests with images in one batch, each its own
+    prompts = [image_prompt(llm, f"Image {i}: {PLACEHOLDER}.", noise(10 + i)) for i in range(3)]
+    for i, output in enumerate(llm.generate(prompts, GREEDY)):
+        check_against_reference(llm, output, [noise(10 + i)])
+
+
+def test_offline_image_errors(llm):
+    with pytest.raises(ValueError, match="1 image placeholders for 2 images"):
+        llm.generate({"prompt": PLACEHOLDER, "multi_modal_data": {"image": [noise(0), noise(1)]}})
+    with pytest.raises(ValueError, match=r"multi_modal_data.image\[0\]: .*not an image"):
+        llm.generate({"prompt": PLACEHOLDER, "multi_modal_data": {"image": b"not an image"}})
+    with pytest.raises(ValueError, match="images only"):
+        llm.generate({"prompt": PLACEHOLDER, "multi_modal_data": {"video": [noise(0)]}})
+    assert not llm.engine.has_unfinished()
+
+
+# The server: images as data: URLs through the official client; every bad image a 400 naming its part.
+
+LIMIT = 2
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("media")
+    noise(5).save(path / "cat.png")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, checkpoint, media_dir):
+    yield from start_server(tmp_path_factory, "--model", checkpoint, "--served-model-name", "k3-tiny",
+                            "--max-model-len", "512", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+                            "--limit-mm-per-prompt", json.dumps({"image": LIMIT}),
+                            "--allowed-local-media-path", str(media_dir))
+
+
+def ask(server, image_parts, **kwargs):
+    content = [{"type": "text", "text": "Describe:"}, *image_parts]
+    return server.client().chat.completions.create(
+        model="k3-tiny", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=5,
+        logprobs=True, extra_body={"ignore_eos": True, **kwargs.pop("extra_body", {})}, **kwargs)
+
+
+def image_part(url):
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_openai_client_sends_an_image_the_model_sees(server, llm, media_dir):
+    a, b = (ask(server, [image_part(png_url(noise(seed)))]) for seed in (6, 7))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Describe:"},
+                                             {"type": "image_pil", "image_pil": noise(6)}]}]
+    offline = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0))[0]
+    assert a.usage.prompt_tokens == len(offline.prompt_token_ids)  # the image's 24 pads and its header count
+    served = [entry.logprob for entry in a.choices[0].logprobs.content]
+    assert np.allclose(served, [e[t] for t, e in zip(offline.token_ids, offline.logprobs)], atol=1e-3)
+    assert [e.logprob for e in b.choices[0].logprobs.content] != served  # another image, another output
+    local = ask(server, [image_part((media_dir / "cat.png").as_uri())])
+    assert local.usage.prompt_tokens == a.usage.prompt_tokens
+
+
+def bomb_png(width=100_000, height=100_000) -> bytes:
+    """A PNG header that declares 10^10 pixels (and holds none): refused before any pixel is decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + \
+        chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("parts, message", [
+    ([image_part("https://example.com/cat.png")], "does not fetch remote images"),
+    ([image_part("data:image/png;base64," + base64.b64encode(b"not an image").decode())], "not an image"),
+    ([image_part("data:image/png;base64," + base64.b64encode(bomb_png()).decode())], "over the limit"),
+    ([image_part("data:image/png;base64,%%%")], "base64"),
+    ([image_part("file:///etc/passwd")], "not under the allowed local media path"),
+    ([{"type": "image_url", "image_url": {"detail": "high"}}], "an image part is"),
+    ([image_part(png_url(noise(0, 28, 28)))] * (LIMIT + 1), f"at most {LIMIT} images per prompt"),
+], ids=["http", "not-an-image", "bomb", "bad-base64", "outside-media-dir", "no-url", "over-the-limit"])
+def test_bad_images_are_400s_naming_the_part(server, parts, message):
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(server, parts)
+    assert error.value.body["param"] == f"messages[0].content[{len(parts)}]"
+    assert message in error.value.body["message"]
+    assert ask(server, [image_part(png_url(noise(0, 28, 28)))]).choices[0].finish_reason == "length"  # still serving
+
+
+def test_a_model_without_a_vision_tower_refuses_images_by_field():
+    """The embedded k3-tiny has no vision tower: an image part is a 400 naming it, never a silent 200
+    (refused before the engine runs a step, so nothing compiles here)."""
+    from fastapi.testclient import TestClient
+
+    from k3jax.loading import from_pretrained
+    from serve.api_common import ServerConfig
+    from serve.api_server import build_app
+    from serve.async_engine import AsyncEngine
+    from serve.engine import Engine
+    from serve.llm import default_model_dir, load_tokenizer
+
+    path = default_model_dir()
+    model = from_pretrained(path, dtype="float32")
+    assert model.vision is None
+    app = build_app(AsyncEngine(Engine(model, tokenizer=load_tokenizer(path)), max_queued_requests=4),
+                    ServerConfig(model_name="k3-tiny", model_path=path))
+    content = [{"type": "text", "text": "hi"}, image_part(png_url(noise(0, 28, 28)))]
+    with TestClient(app) as client:
+        response = client.post("/v1/chat/completions", json={"model": "k3-tiny", "messages": [
+            {"role": "system", "content": "be brief"}, {"role": "user", "content": content}]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages[1].content[1]"
+    assert "no vision tower" in response.json()["error"]["message"]
+
+
+def test_prompt_logprobs_with_an_image_is_refused_by_field(server):
+    """The prompt-scoring forward reads token embeddings only: with an image it would score another
+    prompt than the model's, so the field is refused rather than answered wrongly."""
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(server, [image_part(png_url(noise(0, 28, 28)))], extra_body={"prompt_logprobs": 1})
+    assert error.value.body["param"] == "prompt_logprobs"
