@@ -14,7 +14,6 @@ import re
 
 from serve.api_protocol import ChatCompletionRequest
 from serve.chat import tokenize_messages
-from serve.multimodal import IMAGE_PART_TYPES
 
 # JSON nesting the free-form fields (tool schemas, messages, chat_template_kwargs) may have: deeper
 # structures would exhaust Python's recursion in the encoder, and no real schema comes near.
@@ -64,16 +63,6 @@ def check_nesting(body: ChatCompletionRequest) -> None:
     for name, value in fields.items():
         if _deeper_than(value, MAX_NESTING):
             raise FieldError(name, f"{name}: nested more than {MAX_NESTING} levels deep")
-
-
-def check_text_only_prompt_logprobs(messages: list) -> None:
-    """prompt_logprobs come from a forward of the prompt's tokens alone, without image embeddings:
-    a prompt with images is refused rather than scored as if the images were not there."""
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
-                                             for p in content):
-            raise FieldError("prompt_logprobs", "prompt_logprobs: not available for a prompt with images")
 
 
 def _deeper_than(value, limit: int) -> bool:

@@ -86,8 +86,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             thinking, tools = options["thinking"], options["tools"]
             params = [body.chat_sampling_params(i) for i in range(body.n)]
             num_prompt_logprobs = body.num_prompt_logprobs()
-            if num_prompt_logprobs is not None:
-                api_checks.check_text_only_prompt_logprobs(body.messages)
             forced = forced_tokens(body, tokenizer)
             prompt = await api_checks.chat_prompt_ids(tokenizer, body.messages, engine.max_model_len, **options)
             vision = engine.engine.model.vision  # image parts: a 400 naming the part unless the model has a tower

@@ -121,11 +121,3 @@ def test_responses_refuses_prompt_logprobs(server):
                                          extra_body={"prompt_logprobs": 1})
     assert error.value.body["param"] == "prompt_logprobs"
 
-
-def test_chat_prompt_logprobs_with_an_image_is_400(server):
-    """They come from a forward of the tokens alone: a prompt with images is refused, not scored without them."""
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
-    with pytest.raises(openai.BadRequestError) as error:
-        server.client().chat.completions.create(model=MODEL, max_tokens=1, extra_body={"prompt_logprobs": 1},
-                                                messages=[{"role": "user", "content": [image]}])
-    assert error.value.body["param"] == "prompt_logprobs"
