@@ -20,8 +20,13 @@ A request becomes a chat completion request (serve/api_chat_bridge.py) and runs 
   matched `stop_sequence`) or `end_turn`. A stream sends Anthropic's events in their order:
   message_start, per block content_block_start / _delta / _stop, message_delta, message_stop.
 
-Recognised but not servable, hence a 400 naming the field: image, document and other non-text
-blocks (images are not served yet), `redacted_thinking`, server tools, `disable_parallel_tool_use`,
+* `image` blocks in user messages (a `base64` source; a model with a vision tower) are the chat
+  request's image parts, each expanded into its pads after the prompt is rendered (serve/multimodal.py);
+  an image the chat endpoint would refuse is a 400 naming the block. A `url` source is refused: the
+  server fetches nothing remote.
+
+Recognised but not servable, hence a 400 naming the field: document and other non-text blocks,
+images outside user messages, `redacted_thinking`, server tools, `disable_parallel_tool_use`,
 `container`, `mcp_servers`, `context_management`, `output_config.format`, thinking `display:
 "omitted"`, an effort K3 lacks (medium, xhigh). Errors on these routes have Anthropic's shape,
 `{"type": "error", "error": {"type", "message"}}`, with the status the app's handlers give.
@@ -29,6 +34,7 @@ blocks (images are not served yet), `redacted_thinking`, server tools, `disable_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from typing import Any, ClassVar, Literal
@@ -40,13 +46,14 @@ from pydantic import Field
 
 from serve.api_chat_bridge import (ChatRun, chat_prompt, matched_stop, request_schema, run_chat, stream_blocks,
                                    stream_error_message, test_hook_fields, whole_output)
-from serve.api_checks import FieldError
+from serve.api_checks import FieldError, field_error
 from serve.api_outputs import Totals
 from serve.api_protocol import Strict
 from serve.api_common import APIError, ServerConfig, check_model, unless_disconnected
 from serve.async_engine import AsyncEngine
 from serve.chat import parse_output
 from serve.engine import RequestOutput
+from serve.multimodal import expand_images, image_bytes, load_image
 
 # budget_tokens -> K3's thinking effort: the first effort whose bound the budget is under.
 EFFORT_BUDGETS = ((4096, "low"), (16384, "high"))
@@ -205,9 +212,8 @@ def _blocks(content: str | list, field: str) -> list[tuple[str, dict]]:
         path = f"{field}.content[{j}]"
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise FieldError(path, f"{path}: a content block is an object with a `type`")
-        if block["type"] in ("image", "document"):
-            raise FieldError(f"{path}.type", f"{path}.type: {block['type']} blocks are not supported by this "
-                                              "server yet")
+        if block["type"] == "document":
+            raise FieldError(f"{path}.type", f"{path}.type: document blocks are not supported by this server")
         blocks.append((path, block))
     return blocks
 
@@ -215,17 +221,20 @@ def _blocks(content: str | list, field: str) -> list[tuple[str, dict]]:
 def _user_messages(message: Message, field: str) -> list[tuple[dict, str]]:
     """A user message as chat messages with their sources: each tool result its own tool message
     (K3 renders them after the calls they answer), the text blocks between them user messages."""
-    converted, texts = [], []
+    converted, parts = [], []
     for path, block in _blocks(message.content, field):
         if block["type"] == "text":
-            texts.append(_text_of([block], path))
+            parts.append({"type": "text", "text": _text_of([block], path)})
+            continue
+        if block["type"] == "image":  # its pads come in once the prompt is rendered (_with_images)
+            parts.append({"type": "image", "source": block.get("source"), "block": path})
             continue
         if block["type"] != "tool_result":
-            raise FieldError(f"{path}.type", f"{path}.type: {block['type']!r} is not one of text, tool_result "
-                                              "(image blocks are not supported yet)")
-        if texts:
-            converted.append(({"role": "user", "content": "".join(texts)}, field))
-            texts = []
+            raise FieldError(f"{path}.type", f"{path}.type: {block['type']!r} is not one of text, image, "
+                                              "tool_result")
+        if parts:
+            converted.append(({"role": "user", "content": _user_content(parts)}, field))
+            parts = []
         if not isinstance(block.get("tool_use_id"), str):
             raise FieldError(f"{path}.tool_use_id", f"{path}.tool_use_id: a tool result needs a tool_use_id")
         result = _text_of(block.get("content") or "", f"{path}.content")
@@ -234,9 +243,16 @@ def _user_messages(message: Message, field: str) -> list[tuple[dict, str]]:
             raise FieldError(f"{path}.is_error", f"{path}.is_error: must be true or false")
         converted.append(({"role": "tool", "tool_call_id": block["tool_use_id"],
                            "content": f"Error: {result}" if is_error else result}, path))
-    if texts or not converted:
-        converted.append(({"role": "user", "content": "".join(texts)}, field))
+    if parts or not converted:
+        converted.append(({"role": "user", "content": _user_content(parts)}, field))
     return converted
+
+
+def _user_content(parts: list[dict]):
+    """A user message's content: its text as one string, or its parts when it holds an image."""
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _assistant_messages(message: Message, field: str) -> list[tuple[dict, str]]:
@@ -285,7 +301,35 @@ async def _prompt(body: CountTokensRequest, engine: AsyncEngine, config: ServerC
         fields, sources = body.chat_fields()
     except FieldError as error:
         raise APIError(400, str(error), param=error.param) from error
-    return await chat_prompt(fields, sources, {"stop": "stop_sequences"}, engine, config)
+    prompt = await chat_prompt(fields, sources, {"stop": "stop_sequences"}, engine, config)
+    images = [part for m in fields["messages"] if isinstance(m["content"], list) for part in m["content"]
+              if part["type"] == "image"]
+    if images:
+        try:
+            prompt.ids = await asyncio.to_thread(_with_images, prompt.ids, images, engine, config)
+        except ValueError as error:
+            error = field_error(error)
+            raise APIError(400, str(error), param=error.param) from error
+    return prompt
+
+
+def _with_images(ids: list[int], images: list[dict], engine: AsyncEngine, config: ServerConfig):
+    """The rendered prompt (one placeholder per image block) with its images, as the chat endpoint's
+    (serve/multimodal.chat_images); errors name the image block."""
+    vision, inputs = engine.engine.model.vision, []
+    for part in images:
+        path, source = part["block"], part["source"]
+        if vision is None:
+            raise FieldError(path, f"{path}: this model has no vision tower; it takes no images")
+        if len(inputs) == config.limit_mm_per_prompt:
+            raise FieldError(path, f"{path}: at most {config.limit_mm_per_prompt} images per prompt on this server "
+                                   "(--limit-mm-per-prompt)")
+        if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
+            raise FieldError(f"{path}.source", f"{path}.source: only base64 image sources are served (this server "
+                                               "fetches nothing remote)")
+        url = f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
+        inputs.append(load_image(image_bytes(url, field=path), vision.processor, field=path))
+    return expand_images(ids, inputs, engine.tokenizer)
 
 
 def _stop(output: RequestOutput, called_tools: bool, body: MessagesRequest, engine: AsyncEngine) -> dict:

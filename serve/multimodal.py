@@ -66,6 +66,9 @@ class MultimodalPrompt:
     cache_ids: list[int]  # `ids` with each image's pads replaced by its content key (see the module)
     spans: list[ImageSpan]
 
+    def __len__(self) -> int:  # its tokens, as a prompt of ids counts (usage)
+        return len(self.ids)
+
 
 def image_bytes(url: str, *, field: str, allowed_local_media_path: str | None = None) -> bytes:
     """The bytes behind an image URL: a `data:` URL (base64), or a `file://` URL under

@@ -289,9 +289,46 @@ def test_a_model_without_a_vision_tower_refuses_images_by_field():
     with TestClient(app) as client:
         response = client.post("/v1/chat/completions", json={"model": "k3-tiny", "messages": [
             {"role": "system", "content": "be brief"}, {"role": "user", "content": content}]})
+        anthropic = client.post("/v1/messages", json={"model": "k3-tiny", "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, anthropic_image(noise(0, 28, 28))]}]})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages[1].content[1]"
     assert "no vision tower" in response.json()["error"]["message"]
+    assert anthropic.status_code == 400
+    assert anthropic.json()["error"]["message"].startswith("messages[0].content[1]: this model has no vision tower")
+
+
+def anthropic_image(image: Image.Image) -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": png_url(image).split(",", 1)[1]}}
+
+
+def test_anthropic_messages_with_an_image_block(server, llm):
+    import anthropic
+
+    from serve.chat import parse_output
+    from serve.chat.parsing import FORMAT_TOKENS
+
+    client = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key=API_KEY, max_retries=0, timeout=300)
+    content = [{"type": "text", "text": "Describe:"}, anthropic_image(noise(8))]
+    reply = client.messages.create(model="k3-tiny", max_tokens=5, messages=[{"role": "user", "content": content}],
+                                   extra_body={"temperature": 0})
+    counted = client.messages.count_tokens(model="k3-tiny", messages=[{"role": "user", "content": content}])
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Describe:"},
+                                             {"type": "image_pil", "image_pil": noise(8)}]}]
+    offline = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=5, keep_special_tokens=FORMAT_TOKENS),
+                       thinking=False)[0]  # Anthropic's default: instant mode
+    assert reply.usage.input_tokens == counted.input_tokens == len(offline.prompt_token_ids)
+    assert "".join(b.text for b in reply.content if b.type == "text") == \
+        parse_output(offline.text, thinking=False, tools=None).content
+    for block, param in ((anthropic_image(noise(0, 28, 28)) | {"source": {"type": "url", "url": "https://x/y.png"}},
+                          "messages[0].content[1].source"),
+                         (anthropic_image(noise(0, 28, 28)) | {"source": {"type": "base64", "media_type": "image/png",
+                                                                          "data": "aGVsbG8="}}, "messages[0].content[1]")):
+        with pytest.raises(anthropic.BadRequestError) as error:
+            client.messages.create(model="k3-tiny", max_tokens=1,
+                                   messages=[{"role": "user", "content": [content[0], block]}])
+        assert error.value.body["error"]["message"].startswith(param + ":")
 
 
 def test_prompt_logprobs_with_an_image_is_refused_by_field(server):
