@@ -6,6 +6,7 @@ logprobs and greedy tokens. fp32, on a synthetic k3-tiny with a vision tower and
 token takes the same experts by wide margins: paths compare by value, no router near-ties)."""
 
 import base64
+import dataclasses
 import functools
 import io
 import json
@@ -183,6 +184,21 @@ def test_chat_with_an_image_part_and_a_batch_of_several_images(llm):
     prompts = [image_prompt(llm, f"Image {i}: {PLACEHOLDER}.", noise(10 + i)) for i in range(3)]
     for i, output in enumerate(llm.generate(prompts, GREEDY)):
         check_against_reference(llm, output, [noise(10 + i)])
+
+
+def test_speculative_decoding_with_an_image(checkpoint, tmp_path_factory):
+    """A DSpark engine (verify windows over the target, a random draft) on image prompts: its tokens
+    are the reference's all the same (the prefills that carry the image are the target's steps)."""
+    draft = tmp_path_factory.mktemp("draft")
+    synth.main(["--preset", "k3-tiny-dspark", "--out", str(draft), "--seed", "1"])
+    spec = LLM(checkpoint, dtype="float32", max_prefill_chunk=CHUNK, block_size=CHUNK, max_model_len=512,
+               max_num_seqs=2, enable_prefix_caching=True,
+               speculative_config={"method": "dspark", "model": str(draft), "num_speculative_tokens": 3})
+    prompts = [image_prompt(spec, f"Look {i}: {PLACEHOLDER} ok", noise(20 + i)) for i in range(2)]
+    outputs = spec.generate(prompts, dataclasses.replace(GREEDY, max_tokens=8))
+    for i, output in enumerate(outputs):
+        check_against_reference(spec, output, [noise(20 + i)])
+    assert spec.stats()["spec_num_drafts"] > 0
 
 
 def test_offline_image_errors(llm):
