@@ -27,6 +27,7 @@ BENCHMARKS = (
     "engine_throughput",
     "batch_invariant",
     "structured_overhead",
+    "grammar_compile_stall",
     "image_prefill",
     "kda_chunked_vs_recurrent",
     "decode_compile_time",
