@@ -19,7 +19,15 @@ def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, stat
     h = a_log.shape[0]
     d = p // h
     width = conv_weight.shape[0]
-    window = jnp.concatenate([conv_pool[slots].astype(qkv.dtype), qkv], axis=1)  # [N, W-1+T, 3, P]
+    conv_rows, state_rows = conv_pool[slots], state_pool[slots]
+    if n == 1:
+        # One row's gather and scatter become a dynamic slice and an in-place dynamic update; XLA then
+        # copied the whole conv and state pools to keep the (fused, later) read of the slot apart from
+        # its write. Materialising the row first (it is small) leaves the pools in place. More rows
+        # stay a gather fused into its consumers, which the barrier would only materialise.
+        conv_rows, state_rows, conv_pool, state_pool = jax.lax.optimization_barrier(
+            (conv_rows, state_rows, conv_pool, state_pool))
+    window = jnp.concatenate([conv_rows.astype(qkv.dtype), qkv], axis=1)  # [N, W-1+T, 3, P]
     taps = window.astype(jnp.float32)
     u = sum(taps[:, j:j + t] * conv_weight[j] for j in range(width))
     u = jax.nn.silu(u).astype(qkv.dtype).astype(jnp.float32).reshape(n, t, 3, h, d)
@@ -27,7 +35,7 @@ def kda_decode(qkv, conv_weight, conv_pool, f, dt_bias, a_log, beta_logits, stat
     decay = jnp.exp(log_decay(f.reshape(n, t, h, d), dt_bias.reshape(h, d), a_log, gate_lower_bound))  # [N, T, H, K]
     beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))  # [N, T, H]
 
-    state = state_pool[slots]  # [N, H, K, V]
+    state = state_rows  # [N, H, K, V]
     outputs, states = [], []
     for i in range(t):
         state = state * decay[:, i, :, :, None]

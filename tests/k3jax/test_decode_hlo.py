@@ -109,3 +109,17 @@ def test_engine_decode_step_copies_no_page_pool(model):
     text = _step.lower(model.structure, model.params, pools, ints(1, 1), jnp.ones((1,), jnp.int32),
                        ints(1), ints(1) + 1, ints(1, 4), None).compile().as_text()
     assert not [b for b in materialised_buffers(text) if b.bytes >= pool_bytes]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_engine_decode_step_copies_no_slot_pool(model, rows):
+    """A decode step reads and writes its rows' KDA slots in the donated pools: no buffer the size of
+    a layer's conv-window or state pool (at one row XLA once copied every conv pool, twice per KDA
+    layer, to keep the slot's read apart from its in-place write)."""
+    cfg = model.config
+    pools = init_pools(cfg, num_slots=257, num_pages=4 * rows + 1, page_size=16, dtype=jnp.float32)
+    slot_pool_bytes = min(a.nbytes for a in jax.tree.leaves(pools) if a.ndim and a.shape[0] == 257)
+    ints = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    text = _step.lower(model.structure, model.params, pools, ints(rows, 1), jnp.ones((rows,), jnp.int32),
+                       ints(rows), ints(rows) + 1, ints(rows, 4), None).compile().as_text()
+    assert not [b for b in materialised_buffers(text) if b.bytes >= slot_pool_bytes]
