@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +59,19 @@ def _logits(structure, params, tokens, lengths):
 @functools.partial(jax.jit, static_argnums=0, static_argnames="num_top")
 def _token_logprobs(structure, params, tokens, lengths, *, num_top: int):
     logprobs = jax.nn.log_softmax(_logits(structure, params, tokens, lengths)[:, :-1].astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]  # position t - 1 predicts t
+    chosen = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)  # position t - 1 predicts t
+    ranks = jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32) + 1
     top, top_ids = jax.lax.top_k(logprobs, num_top)
-    return chosen, top_ids, top
+    return TokenLogprobs(chosen[..., 0], ranks, top_ids, top)
+
+
+class TokenLogprobs(NamedTuple):
+    """`K3Model.token_logprobs`: entry t - 1 of each [B, T-1] array is about token t."""
+
+    chosen: np.ndarray  # float32 [B, T-1]: the token's log-probability given those before it
+    ranks: np.ndarray  # int32 [B, T-1]: 1 + the number of tokens more likely than it (vLLM's rank)
+    top_ids: np.ndarray  # int32 [B, T-1, num_top]: the most likely tokens, best first
+    top: np.ndarray  # float32 [B, T-1, num_top]: their log-probabilities
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames="cache")
@@ -124,16 +135,15 @@ class K3Model:
             logits = multihost_utils.process_allgather(logits, tiled=True)
         return np.asarray(logits)
 
-    def token_logprobs(self, input_ids, lengths=None, *, num_top: int = 1) -> tuple[np.ndarray, ...]:
-        """Each token's log-probability given those before it, and the num_top most likely tokens at
-        each position, from a full forward reduced on the devices (the [B, T, vocab] logits never
-        reach the host): (chosen float32 [B, T-1], top_ids int32 [B, T-1, num_top], top float32
-        [B, T-1, num_top]); entry t - 1 is about token t."""
+    def token_logprobs(self, input_ids, lengths=None, *, num_top: int = 1) -> TokenLogprobs:
+        """Each token's log-probability and rank given those before it, and the num_top most likely
+        tokens at each position, from a full forward reduced on the devices (the [B, T, vocab] logits
+        never reach the host)."""
         tokens, lengths = self._tokens(input_ids, lengths)
         out = self._run(functools.partial(_token_logprobs, num_top=num_top), tokens, lengths)
         if not out[0].is_fully_addressable:  # a mesh over several processes: every process gets all
             out = multihost_utils.process_allgather(out, tiled=True)
-        return tuple(np.asarray(a) for a in out)
+        return TokenLogprobs(*(np.asarray(a) for a in out))
 
     def init_cache(self, batch: int, max_len: int) -> DecodeState:
         make = functools.partial(init_cache, self.config, batch, max_len, self.dtype)

@@ -9,19 +9,14 @@ full forward's figures, the ones `python -m k3jax.eval` reports. Prompts are pad
 two (at least 16) and the top MAX_LOGPROBS alternatives are always taken, so each length bucket
 compiles once whatever the number asked for.
 
-The forward is `K3Model.token_logprobs`'s with each token's rank added (vLLM reports it: 1 + the
-number of tokens more likely than it), run through the model's own row placement (`K3Model._run`).
+The forward is `K3Model.token_logprobs` (which also gives each token's rank, as vLLM reports it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from k3jax.model import K3Model
 from serve.api_outputs import MIN_LOGPROB
@@ -73,18 +68,6 @@ def prompt_scores(model: K3Model, ids: list[int]) -> PromptScores:
     tokens = np.zeros((rows, length), np.int32)
     tokens[0, :len(ids)] = ids
     lengths = np.full(rows, len(ids), np.int32)
-    out = model._run(_scores, tokens, lengths)
-    if not out[0].is_fully_addressable:  # a mesh over several processes: every process gets all
-        out = multihost_utils.process_allgather(out, tiled=True)
-    chosen, ranks, top_ids, top = (np.asarray(a)[0, :len(ids) - 1] for a in out)
+    out = model.token_logprobs(tokens, lengths, num_top=min(MAX_LOGPROBS, model.config.vocab_size))
+    chosen, ranks, top_ids, top = (a[0, :len(ids) - 1] for a in out)
     return PromptScores(list(ids), chosen, ranks, top_ids, top)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _scores(structure, params, tokens, lengths):
-    logits = structure.merge(params).forward(tokens, lengths).logits[:, :-1]
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)  # position t - 1 predicts t
-    ranks = jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32) + 1
-    top, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
-    return chosen[..., 0], ranks, top_ids, top

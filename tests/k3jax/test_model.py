@@ -101,7 +101,7 @@ def test_bad_input_ids_are_rejected(model):
 
 def test_token_logprobs_are_the_full_forwards_log_softmax(model):
     ids = np.array([[5, 7, 9, 11, 13, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]])
-    chosen, top_ids, top = model.token_logprobs(ids, [5, 8], num_top=3)
+    chosen, ranks, top_ids, top = model.token_logprobs(ids, [5, 8], num_top=3)
     logits = model.logits(ids, [5, 8]).astype(np.float64)
     logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
@@ -112,3 +112,5 @@ def test_token_logprobs_are_the_full_forwards_log_softmax(model):
         np.testing.assert_allclose(top[row, :length - 1], np.take_along_axis(logprobs[row, :length - 1], order, -1),
                                    atol=1e-5)
         assert (top_ids[row, :length - 1, 0] == order[:, 0]).all()
+        rows = logprobs[row, np.arange(length - 1)]
+        np.testing.assert_array_equal(ranks[row, :length - 1], 1 + (rows > want[:, None] + 1e-5).sum(-1))
