@@ -29,6 +29,9 @@ class EncoderCache:
         self.num_bytes = 0
         self.hits = self.misses = 0
 
+    def __contains__(self, image: ImageInput) -> bool:
+        return image.digest in self._outputs
+
     def get(self, image: ImageInput) -> np.ndarray:
         """float32 [image.num_tokens, H]: the embeddings of the image's pad positions, in order."""
         if (out := self._outputs.get(image.digest)) is not None:

@@ -70,6 +70,7 @@ class EngineOptions:
     # and one token bucket, prefill chunks that other requests never shorten.
     batch_invariant: bool = False
     mm_encoder_cache_bytes: int = DEFAULT_BUDGET_BYTES  # the vision encoder's outputs kept (serve/encoder_cache.py)
+    max_num_encoder_input_tokens: int | None = None  # image tokens encoded per step (default max_num_batched_tokens)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -117,13 +118,14 @@ class Engine:
                                    speculator.page_bytes(options.block_size) if speculator else 0)
         self.prefix_cache = PrefixCache(options.block_size) if options.enable_prefix_caching else None
         self.allocator = CacheAllocator(self.layout, self.prefix_cache)
+        # With a vision tower, prefill steps carry the images' embeddings (serve/runner.py)
+        self.images = EncoderCache(model.vision, options.mm_encoder_cache_bytes) if model.vision is not None else None
         self.scheduler = Scheduler(self.allocator, max_num_seqs=options.max_num_seqs,
                                    max_num_batched_tokens=options.max_num_batched_tokens,
                                    max_prefill_chunk=min(options.max_prefill_chunk, options.max_num_batched_tokens),
                                    max_prefill_rows=options.max_prefill_rows,
-                                   whole_chunks=options.batch_invariant)
-        # With a vision tower, prefill steps carry the images' embeddings (serve/runner.py)
-        self.images = EncoderCache(model.vision, options.mm_encoder_cache_bytes) if model.vision is not None else None
+                                   whole_chunks=options.batch_invariant, encoder_cache=self.images,
+                                   encoder_budget=options.max_num_encoder_input_tokens or options.max_num_batched_tokens)
         self.runner = Runner(model, self.layout, max_model_len=options.max_model_len, kv_cache_dtype=kv_dtype,
                              taps=speculator.taps if speculator else None,
                              embed_width=cfg.hidden_size if self.images is not None else None)

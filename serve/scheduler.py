@@ -9,6 +9,9 @@ recomputing its prompt and the tokens it already generated (so its output does n
 A suspect (a request of a step that failed, see serve/engine.py) runs alone: it is admitted only
 into an empty batch, and nothing joins it until its next token. A paused request (its reader is
 behind) keeps its pages and slot but takes no part in steps until it is resumed.
+Images are encoded in the step whose chunk first reaches them; the encoder runs on at most
+`encoder_budget` image tokens a step (vLLM's encoder budget; one image however large when the step
+has none yet): a chunk that would reach an image past it ends where that image starts.
 """
 
 from __future__ import annotations
@@ -78,10 +81,13 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, allocator: CacheAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int, max_prefill_rows: int, whole_chunks: bool = False):
+                 max_prefill_chunk: int, max_prefill_rows: int, whole_chunks: bool = False, encoder_cache=None,
+                 encoder_budget: int = 0):
         """whole_chunks: a prefill chunk is always min(pending, max_prefill_chunk) tokens, waiting for a
         later step rather than shortened by what others leave of the budget or the pages, so that how
-        a prompt is chunked (which changes its numbers) depends on that prompt alone."""
+        a prompt is chunked (which changes its numbers) depends on that prompt alone.
+        encoder_cache: the engine's serve.encoder_cache.EncoderCache (a model with a vision tower), whose
+        images need no encoder run; encoder_budget: image tokens a step may encode."""
         self.allocator = allocator
         self.prefix_cache: PrefixCache | None = allocator.prefix_cache
         self.page_size = allocator.layout.page_size
@@ -90,6 +96,9 @@ class Scheduler:
         self.max_prefill_chunk = max_prefill_chunk
         self.max_prefill_rows = max_prefill_rows
         self.whole_chunks = whole_chunks
+        self.encoder_cache = encoder_cache
+        self.encoder_budget = encoder_budget
+        self._encoding: dict[bytes, int] = {}  # this step's images to encode: digest -> tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -101,6 +110,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
+        self._encoding = {}
         decode = [r for r in self.running if r.pending == 1 and not r.paused]
         for request in list(decode):
             if request.status is not Status.RUNNING:  # preempted while making room for an earlier one
@@ -198,12 +208,26 @@ class Scheduler:
         chunk = min(request.pending, budget, self.max_prefill_chunk)
         if self.prefix_cache is not None and request.computed < self.snapshot_boundary(request):
             chunk = min(chunk, self.snapshot_boundary(request) - request.computed)  # end where the snapshot is taken
+        chunk = self._encoder_fit(request, chunk)
         if self.whole_chunks:
             whole = min(request.pending, self.max_prefill_chunk)
             return whole if chunk == whole and self.reserve(request, whole) else 0
         while chunk > 0 and not self.reserve(request, chunk):
             chunk = min(chunk - 1, self._fits(request))
         return max(chunk, 0)
+
+    def _encoder_fit(self, request: Request, chunk: int) -> int:
+        """The chunk, ended where it would reach an image whose encoder run passes this step's budget;
+        the images it reaches are counted in."""
+        start = request.computed
+        for span in request.images:
+            if span.end <= start or span.start >= start + chunk or span.image.digest in self._encoding \
+                    or span.image in self.encoder_cache:
+                continue
+            if self._encoding and sum(self._encoding.values()) + span.image.num_tokens > self.encoder_budget:
+                return max(span.start - start, 0)
+            self._encoding[span.image.digest] = span.image.num_tokens
+        return chunk
 
     def _fits(self, request: Request) -> int:
         """Most new tokens the request's pages plus the free pages can hold."""

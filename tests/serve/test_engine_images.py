@@ -186,6 +186,27 @@ def test_chat_with_an_image_part_and_a_batch_of_several_images(llm):
         check_against_reference(llm, output, [noise(10 + i)])
 
 
+def test_the_encoder_budget_spreads_images_over_steps(checkpoint):
+    """With an encoder budget of one image's tokens, a chunk that would reach a second new image ends
+    where it starts; the tokens are the reference's all the same."""
+    budget = LLM(checkpoint, dtype="float32", max_prefill_chunk=128, max_num_batched_tokens=128, max_model_len=512,
+                 max_num_seqs=2, max_num_encoder_input_tokens=24)
+    runs, run = [], budget.engine.runner.run
+
+    def recording(rows, num_rows, num_tokens, **kwargs):
+        runs.append(([(len(new), cached) for new, cached, _, _ in rows], budget.engine.images.misses))
+        return run(rows, num_rows, num_tokens, **kwargs)
+
+    budget.engine.runner.run = recording
+    images = [noise(30), noise(31)]
+    output = budget.generate(image_prompt(budget, f"A {PLACEHOLDER} B {PLACEHOLDER} C", images), GREEDY)[0]
+    check_against_reference(budget, output, images)
+    pad = budget.engine.tokenizer.token_id("<|media_pad|>")
+    second = [i for i, t in enumerate(output.prompt_token_ids) if t == pad][24]  # the second image's first pad
+    assert len(output.prompt_token_ids) < 128  # one chunk would hold the whole prompt
+    assert runs[0] == ([(second, 0)], 1) and runs[1] == ([(len(output.prompt_token_ids) - second, second)], 2)
+
+
 def test_speculative_decoding_with_an_image(checkpoint, tmp_path_factory):
     """A DSpark engine (verify windows over the target, a random draft) on image prompts: its tokens
     are the reference's all the same (the prefills that carry the image are the target's steps)."""
