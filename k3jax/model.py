@@ -79,6 +79,11 @@ def _extend(structure, params, tokens, lengths, cache):
     return structure.merge(params).extend(tokens, lengths, cache)
 
 
+def _first_rows(x, rows: int):
+    """x without the padding rows `K3Model._run` added (x itself when there are none)."""
+    return x if x.shape[0] == rows else x[:rows]
+
+
 class K3Model:
     """A K3 / Kimi Linear text decoder: `logits` for full forwards, `prefill` + `decode` for generation.
 
@@ -133,7 +138,7 @@ class K3Model:
         logits = self._run(_logits, tokens, lengths)
         if not logits.is_fully_addressable:  # a mesh over several processes: every process gets all
             logits = multihost_utils.process_allgather(logits, tiled=True)
-        return np.asarray(logits)
+        return np.asarray(_first_rows(logits, tokens.shape[0]))
 
     def token_logprobs(self, input_ids, lengths=None, *, num_top: int = 1) -> TokenLogprobs:
         """Each token's log-probability and rank given those before it, and the num_top most likely
@@ -143,23 +148,33 @@ class K3Model:
         out = self._run(functools.partial(_token_logprobs, num_top=num_top), tokens, lengths)
         if not out[0].is_fully_addressable:  # a mesh over several processes: every process gets all
             out = multihost_utils.process_allgather(out, tiled=True)
-        return TokenLogprobs(*(np.asarray(a) for a in out))
+        return TokenLogprobs(*(np.asarray(_first_rows(a, tokens.shape[0])) for a in out))
 
     def init_cache(self, batch: int, max_len: int) -> DecodeState:
-        make = functools.partial(init_cache, self.config, batch, max_len, self.dtype)
+        """A cache for `batch` sequences (on a mesh, rounded up to a multiple of its data size)."""
+        make = functools.partial(init_cache, self.config, self._padded_rows(batch), max_len, self.dtype)
         if self.mesh is None:
             return make()
         return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), self.mesh))()
 
     def _run(self, step, tokens, lengths, *cache):
-        """`step` (`_logits`, or `_extend` with the cache) on rows split over `data`."""
+        """`step` (`_logits`, or `_extend` with the cache) on rows split over `data`. A batch that
+        `data` does not divide gets empty rows (length 0: they change nothing) up to the next
+        multiple, as many as a cache made by `prefill` holds; callers keep the first rows of what
+        comes back."""
         if self.mesh is None:
             return step(self.structure, self.params, tokens, lengths, *cache)
+        rows = self._padded_rows(tokens.shape[0])
+        if rows > tokens.shape[0]:
+            tokens = jnp.pad(tokens, ((0, rows - tokens.shape[0]), (0, 0)))
+            lengths = jnp.pad(lengths, (0, rows - lengths.shape[0]))
         batch = rows_sharding(self.mesh)
-        if tokens.shape[0] % data_size(self.mesh):
-            raise ValueError(f"a batch of {tokens.shape[0]} sequences does not divide over data={self.mesh.shape['data']}")
         with jax.set_mesh(self.mesh):
             return step(self.structure, self.params, put(tokens, batch), put(lengths, batch), *cache)
+
+    def _padded_rows(self, rows: int) -> int:
+        data = data_size(self.mesh)
+        return -(-rows // data) * data
 
     def prefill(self, input_ids, lengths=None, *, max_len: int | None = None, cache: DecodeState | None = None):
         """Runs the prompt (right-padded [B, T], `lengths` real tokens each) and returns
@@ -167,13 +182,14 @@ class K3Model:
         tokens, lengths = self._tokens(input_ids, lengths)
         if cache is None:
             cache = self.init_cache(tokens.shape[0], max_len or tokens.shape[1])
-        return self._run(_extend, tokens, lengths, cache)
+        logits, cache = self._run(_extend, tokens, lengths, cache)
+        return _first_rows(logits, tokens.shape[0]), cache
 
     def decode(self, tokens, cache: DecodeState):
         """One token per sequence: tokens [B] -> (logits float32 [B, vocab], cache)."""
         tokens = jnp.asarray(tokens, jnp.int32).reshape(-1, 1)
         logits, cache = self._run(_extend, tokens, jnp.ones((tokens.shape[0],), jnp.int32), cache)
-        return logits[:, 0], cache
+        return _first_rows(logits, tokens.shape[0])[:, 0], cache
 
     def _tokens(self, input_ids, lengths):
         tokens = jnp.asarray(input_ids, jnp.int32)

@@ -21,7 +21,6 @@ import numpy as np
 from k3jax.model import K3Model
 from serve.api_outputs import MIN_LOGPROB
 from serve.sampling import MAX_LOGPROBS, logprobs_entry
-from sharding.mesh import data_size
 
 SMALLEST_BUCKET = 16
 
@@ -64,10 +63,8 @@ def _logprob(value, rank: int, token: int, tokenizer) -> dict:
 def prompt_scores(model: K3Model, ids: list[int]) -> PromptScores:
     """One full forward of the prompt `ids`, reduced to its PromptScores (blocking: run it in a thread)."""
     length = max(SMALLEST_BUCKET, 1 << (len(ids) - 1).bit_length())
-    rows = data_size(model.mesh)  # a mesh splits rows over data: one real row and padding rows
-    tokens = np.zeros((rows, length), np.int32)
+    tokens = np.zeros((1, length), np.int32)
     tokens[0, :len(ids)] = ids
-    lengths = np.full(rows, len(ids), np.int32)
-    out = model.token_logprobs(tokens, lengths, num_top=min(MAX_LOGPROBS, model.config.vocab_size))
+    out = model.token_logprobs(tokens, [len(ids)], num_top=min(MAX_LOGPROBS, model.config.vocab_size))
     chosen, ranks, top_ids, top = (a[0, :len(ids) - 1] for a in out)
     return PromptScores(list(ids), chosen, ranks, top_ids, top)
