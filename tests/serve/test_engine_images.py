@@ -222,6 +222,24 @@ def test_speculative_decoding_with_an_image(checkpoint, tmp_path_factory):
     assert spec.stats()["spec_num_drafts"] > 0
 
 
+def test_an_image_the_encoder_fails_on_fails_its_request_alone(llm, monkeypatch):
+    """The encoder runs inside the step: a failure there is a failing step, rerun without its culprit."""
+    vision, encode = llm.model.vision, llm.model.vision.encode
+    bad = vision.prepare(noise(40)).pixel_values
+
+    def failing(prepared):
+        if np.array_equal(prepared.pixel_values, bad):
+            raise RuntimeError("the encoder failed")
+        return encode(prepared)
+
+    monkeypatch.setattr(vision, "encode", failing)
+    prompts = [image_prompt(llm, f"Fine {PLACEHOLDER}.", noise(41)), image_prompt(llm, f"Bad {PLACEHOLDER}.", noise(40))]
+    good, failed = llm.generate(prompts, GREEDY)
+    assert failed.finish_reason == "error" and good.finish_reason == "length"
+    monkeypatch.setattr(vision, "encode", encode)
+    check_against_reference(llm, good, [noise(41)])
+
+
 def test_offline_image_errors(llm):
     with pytest.raises(ValueError, match="1 image placeholders for 2 images"):
         llm.generate({"prompt": PLACEHOLDER, "multi_modal_data": {"image": [noise(0), noise(1)]}})
@@ -374,3 +392,14 @@ def test_prompt_logprobs_with_an_image_is_refused_by_field(server):
     with pytest.raises(openai.BadRequestError) as error:
         ask(server, [image_part(png_url(noise(0, 28, 28)))], extra_body={"prompt_logprobs": 1})
     assert error.value.body["param"] == "prompt_logprobs"
+
+
+def test_limit_mm_per_prompt_reads_vllms_json(capsys):
+    from k3jax.serve import parse_args
+
+    assert parse_args([]).limit_mm_per_prompt == {"image": 999}  # vLLM V1's default
+    assert parse_args(["--limit-mm-per-prompt", '{"image": 4, "video": 0}']).limit_mm_per_prompt == {"image": 4}
+    for bad, message in (('{"video": 2}', "images only"), ("image=4", "not JSON"), ('{"image": -1}', "counts")):
+        with pytest.raises(SystemExit):
+            parse_args(["--limit-mm-per-prompt", bad])
+        assert message in capsys.readouterr().err
