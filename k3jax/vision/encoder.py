@@ -21,12 +21,13 @@ from k3jax.config import K3Config
 from k3jax.placement import place_params
 from k3jax.vision.config import DEFAULT_MAX_PIXELS, ImageProcessorConfig, VisionConfig, vision_config
 from k3jax.vision.preprocess import PreparedImage, prepare
-from k3jax.vision.tower import VisionTower
+from k3jax.vision.tower import VisionTower, patch_bucket, patch_layout
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _encode(graphdef, params, pixel_values, grid_hw):
-    return nnx.merge(graphdef, params)(pixel_values, grid_hw)
+@functools.partial(jax.jit, static_argnums=0)
+def _encode(graphdef, params, pixel_values, layout):
+    """One program per patch bucket (k3jax/vision/tower.py), whatever the image's grid."""
+    return nnx.merge(graphdef, params)(pixel_values, layout)
 
 
 class VisionEncoder:
@@ -51,8 +52,13 @@ class VisionEncoder:
         """One image -> float32 [tokens, text_hidden]: the embeddings of its <|media_pad|> positions in order."""
         if not isinstance(image, PreparedImage):
             image = self.prepare(image)
-        out = _encode(self.graphdef, self.params, jnp.asarray(image.pixel_values), tuple(map(int, image.grid_hw)))
-        return np.asarray(out, np.float32)
+        n = image.num_patches
+        rows = patch_bucket(n)
+        pixels = np.zeros((rows, *image.pixel_values.shape[1:]), np.float32)
+        pixels[:n] = image.pixel_values
+        layout = patch_layout(self.config, tuple(map(int, image.grid_hw)), rows)
+        out = _encode(self.graphdef, self.params, jnp.asarray(pixels), jax.tree.map(jnp.asarray, layout))
+        return np.asarray(out[:n // (self.config.merge_kernel[0] * self.config.merge_kernel[1])], np.float32)
 
 
 def load_vision_encoder(path: str | os.PathLike, cfg: K3Config, *, dtype="bfloat16", mesh=None,

@@ -2,14 +2,22 @@
 
 patches [N, 3*14*14] -> linear patch embedding + the learnable position table resized to the grid
 -> blocks (pre-norm; fused qkv with 2-D RoPE; GELU-tanh MLP) -> final norm -> 2x2 merge -> projector
--> one text-width vector per merged token. One image at a time: attention is full within an image, and
-its grid is static, so each image size compiles once.
+-> one text-width vector per merged token. One image at a time: attention is full within an image.
+
+Everything that depends on the image's grid (which position-table entries each patch mixes, its RoPE
+angles, the order of the 2x2 merge windows) is computed on the host (`patch_layout`) and passed in as
+arrays, with the patches padded to a bucket of sizes (`patch_bucket`: powers of two and 1.5 times
+them), padding masked out of attention: one compiled program serves every image size of a bucket,
+where a static grid compiled one per size (a server sees many sizes; each compile of the full tower
+takes seconds).
 
 Parameters are stored in the layout of k3jax/layers (kernels [in, out]); `k3jax.vision.weights`
 maps the checkpoint's `vision_tower.*` / `mm_projector.*` tensors onto them.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,12 +74,12 @@ class VisionBlock(nnx.Module):
         self.fc0 = BiasLinear(d, cfg.intermediate_size, cfg.linear_bias, dtype=dtype, rngs=rngs)
         self.fc1 = BiasLinear(cfg.intermediate_size, d, cfg.linear_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_nd, cos_nr, sin_nr):
+    def __call__(self, x_nd, cos_nr, sin_nr, valid_n):
         n, heads, hd = x_nd.shape[0], self.cfg.num_heads, self.cfg.head_dim
         qkv = self.wqkv(self.norm0(x_nd)).reshape(n, 3, heads, hd)
         q, k = (_rope(qkv[:, i], cos_nr, sin_nr) for i in (0, 1))
         v = qkv[:, 2].astype(jnp.float32)
-        scores = jnp.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+        scores = jnp.where(valid_n, jnp.einsum("qhd,khd->hqk", q, k) * hd ** -0.5, -jnp.inf)  # padding keys out
         out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
         x_nd = x_nd + self.wo(out.reshape(n, heads * hd).astype(x_nd.dtype))
         hidden = jax.nn.gelu(self.fc0(self.norm1(x_nd)).astype(jnp.float32), approximate=True)
@@ -117,28 +125,70 @@ class VisionTower(nnx.Module):
         self.final_norm = Norm(d, cfg.norm_type, cfg.norm_eps, dtype=dtype)
         self.projector = Projector(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, pixel_values, grid_hw: tuple[int, int]):
-        """pixel_values [h*w, 3, p, p] (row-major over the grid) -> [h*w/4, text_hidden] for grid (h, w)."""
-        h, w = grid_hw
+    def __call__(self, pixel_values, layout: "PatchLayout"):
+        """pixel_values [N, 3, p, p]: an image's h*w patches (row-major over its grid), then padding to
+        N -> [N/4, text_hidden]: its h*w/4 merged tokens in order, then padding rows."""
+        n = pixel_values.shape[0]
         dtype = self.patch_embed.kernel[...].dtype
-        x = self.patch_embed(pixel_values.reshape(h * w, -1).astype(dtype))
-        x = x + _resized_table(self.pos_emb[...], h, w, self.cfg.pos_interpolation).astype(x.dtype)
-        cos, sin = rope_tables(h, w, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.patch_embed(pixel_values.reshape(n, -1).astype(dtype))
+        # the position table resampled to the grid: each patch's weighted taps of the flattened table, one
+        # tap at a time (a fused [N, D] sum; gathering every tap at once would hold [N, taps, D])
+        table = self.pos_emb[...].reshape(-1, self.pos_emb.shape[-1]).astype(jnp.float32)
+        pos = sum(layout.pos_weight[:, t, None] * table[layout.pos_index[:, t]] for t in range(layout.pos_index.shape[1]))
+        x = x + pos.astype(x.dtype)
         for block in self.blocks:
-            x = block(x, jnp.asarray(cos), jnp.asarray(sin))
+            x = block(x, layout.cos, layout.sin, layout.valid)
         x = self.final_norm(x)
-        kh, kw = self.cfg.merge_kernel
-        # [h*w/4, 4, D]: each 2x2 window's patches in (row, column) order, windows row-major
-        windows_mkd = x.reshape(h // kh, kh, w // kw, kw, -1).transpose(0, 2, 1, 3, 4).reshape(-1, kh * kw, x.shape[-1])
-        return self.projector(windows_mkd)
+        windows = self.cfg.merge_kernel[0] * self.cfg.merge_kernel[1]
+        return self.projector(x[layout.order].reshape(n // windows, windows, x.shape[-1]))
 
 
-def _resized_table(table_hwd, h: int, w: int, mode: str):
-    """The position table resampled to (h, w) as torch's F.interpolate(mode, align_corners=False) does."""
-    rows = jnp.asarray(interpolation_matrix(table_hwd.shape[0], h, mode))
-    cols = jnp.asarray(interpolation_matrix(table_hwd.shape[1], w, mode))
-    return jnp.einsum("ai,ijd,bj->abd", rows, table_hwd.astype(jnp.float32), cols,
-                      precision=jax.lax.Precision.HIGHEST).reshape(h * w, -1)
+class PatchLayout(NamedTuple):
+    """An image's grid as arrays over its N (bucketed) patch rows (see the module)."""
+
+    pos_index: np.ndarray  # int32 [N, taps]: entries of the flattened position table each patch mixes
+    pos_weight: np.ndarray  # float32 [N, taps]: their weights (torch's interpolation; padding: 0)
+    cos: np.ndarray  # float32 [N, head_dim / 2]: RoPE (padding: 0)
+    sin: np.ndarray
+    valid: np.ndarray  # bool [N]: a patch of the image, not padding
+    order: np.ndarray  # int32 [N]: the patches in merge order: each 2x2 window's in (row, column) order,
+    # windows row-major, then the padding
+
+
+def patch_bucket(num_patches: int) -> int:
+    """The padded patch count an image runs at: the smallest of 16, 24, 32, 48, 64, 96, ... that holds it."""
+    size = 16
+    while True:
+        for bucket in (size, size * 3 // 2):
+            if bucket >= num_patches:
+                return bucket
+        size *= 2
+
+
+def patch_layout(cfg: VisionConfig, grid_hw: tuple[int, int], num_rows: int) -> PatchLayout:
+    """The layout of a grid of (h, w) patches padded to num_rows (a multiple of the merge window)."""
+    h, w = grid_hw
+    n = h * w
+    (th, tw), taps = (cfg.pos_emb_height, cfg.pos_emb_width), 2 if cfg.pos_interpolation == "bilinear" else 4
+    rows_i, rows_w = _taps(interpolation_matrix(th, h, cfg.pos_interpolation), taps)  # [h, taps]
+    cols_i, cols_w = _taps(interpolation_matrix(tw, w, cfg.pos_interpolation), taps)  # [w, taps]
+    row, col = np.divmod(np.arange(n), w)
+    index = np.zeros((num_rows, taps * taps), np.int32)
+    weight = np.zeros((num_rows, taps * taps), np.float32)
+    index[:n] = (rows_i[row][:, :, None] * tw + cols_i[col][:, None, :]).reshape(n, -1)
+    weight[:n] = (rows_w[row][:, :, None] * cols_w[col][:, None, :]).reshape(n, -1)
+    cos, sin = (np.zeros((num_rows, cfg.head_dim // 2), np.float32) for _ in range(2))
+    cos[:n], sin[:n] = rope_tables(h, w, cfg.head_dim, cfg.rope_theta)
+    kh, kw = cfg.merge_kernel
+    windows = np.arange(n).reshape(h // kh, kh, w // kw, kw).transpose(0, 2, 1, 3).reshape(-1)
+    order = np.concatenate([windows, np.arange(n, num_rows)]).astype(np.int32)
+    return PatchLayout(index, weight, cos, sin, np.arange(num_rows) < n, order)
+
+
+def _taps(matrix: np.ndarray, taps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's `taps` largest-magnitude entries of an interpolation matrix (its only non-zero ones)."""
+    index = np.argsort(-np.abs(matrix), axis=1, kind="stable")[:, :taps]
+    return index, np.take_along_axis(matrix, index, axis=1)
 
 
 def interpolation_matrix(src: int, dst: int, mode: str) -> np.ndarray:

@@ -238,3 +238,22 @@ def test_k3_tiny_checkpoint_vision_round_trip(tmp_path):
     save_file(broken, str(tmp_path / "bad" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"blocks.1.wo.weight has shape \(3, 3\), expected \(32, 48\)"):
         load_vision_encoder(tmp_path / "bad", cfg)
+
+
+def test_image_sizes_of_one_patch_bucket_share_one_program(k3_tiny):
+    """Grids of 20 and 24 patches (three shapes) run padded to the 24-patch bucket: one compile, and
+    each still matches the reference (the padding masked out of attention, the merge order by grid)."""
+    from k3jax.vision.encoder import _encode
+    from k3jax.vision.tower import patch_bucket
+
+    vcfg, tensors, encoder = k3_tiny
+    assert [patch_bucket(n) for n in (1, 16, 17, 20, 24, 25, 48, 49, 16384)] == [16, 16, 24, 24, 24, 32, 48, 64, 16384]
+    vc = dict(norm_type="rmsnorm", num_heads=vcfg.num_heads, interpolation="bilinear", rope_theta=1e4,
+              projector="patchmergerv2")
+    compiled = None
+    for grid in ((4, 6), (6, 4), (2, 10)):
+        pixels = np.random.default_rng(sum(grid)).uniform(-1, 1, (grid[0] * grid[1], 3, 14, 14)).astype(np.float32)
+        features = encoder.encode(PreparedImage(pixels, grid, (0, 0)))
+        assert rel_err(features, moonvit_reference.features(tensors, vc, pixels, grid)) < 1e-4
+        compiled = _encode._cache_size() if compiled is None else compiled
+    assert _encode._cache_size() == compiled
