@@ -29,6 +29,7 @@ import urllib.parse
 from PIL import Image
 
 from k3jax.vision.config import ImageProcessorConfig
+from serve.chat.encoding import rendered_order
 from k3jax.vision.preprocess import PreparedImage, decode_image, prepare
 
 PLACEHOLDER = "<|kimi_image_placeholder|>"
@@ -146,12 +147,12 @@ DEFAULT_IMAGE_LIMIT = 999  # images per prompt: vLLM V1's default for --limit-mm
 
 def chat_images(messages: list, processor: ImageProcessorConfig | None, *, allowed_local_media_path: str | None = None,
                 limit: int = DEFAULT_IMAGE_LIMIT) -> list[ImageInput]:
-    """The images of chat messages' `image_url` parts, in prompt order (the order of their
-    placeholders: serve/chat/encoding.py). `processor` None: the model has no vision tower, and an
+    """The images of chat messages' image parts, in the order the prompt renders their placeholders
+    (serve/chat/encoding.py: tool results follow their calls' order). `processor` None: the model has no vision tower, and an
     image is refused. ValueErrors name the part, `messages[i].content[j]`."""
     images = []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
+    for i, message in rendered_order(messages):
+        content = message.get("content")
         for j, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in IMAGE_PART_TYPES:

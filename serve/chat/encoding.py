@@ -121,6 +121,12 @@ def render_messages(messages: list[dict], *, tools: list[dict] | None = None, th
     return pieces
 
 
+def rendered_order(messages: list[dict]) -> list[tuple[int, dict]]:
+    """(position, message) in the order the prompt renders them (tool results in their calls' order):
+    the order of the prompt's image placeholders, which serve/multimodal.py pairs with the images."""
+    return _with_tool_results_matched(messages)
+
+
 def _with_tool_results_matched(messages: list[dict]) -> list[tuple[int, dict]]:
     """(position in `messages`, message) with roles checked, and each run of tool results put in
     the order of the calls they answer, each given the call's `tool` name and 1-based `index`

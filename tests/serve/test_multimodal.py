@@ -135,3 +135,18 @@ def test_prefix_cache_keys_images_apart():
     assert run("cat") == 0
     assert run("dog") == 0  # the same ids, another image: nothing cached for it
     assert run("cat-again") == 12 and run("dog-again") == 12  # each image hits its own pages
+
+
+def test_images_pair_with_placeholders_in_the_order_the_prompt_renders(tokenizer):
+    """Tool results render in their calls' order, whatever order they arrive in: their images follow."""
+    from serve.multimodal import chat_prompt
+
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "look", "arguments": "{}"}} for i in range(2)]
+    first, second = png(28, 28, (1, 1, 1)), png(56, 28, (2, 2, 2))
+    messages = [{"role": "user", "content": "look twice"},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "image_url", "image_url": {"url": data_url(second)}}]},
+                {"role": "tool", "tool_call_id": "c0", "content": [{"type": "image_url", "image_url": {"url": data_url(first)}}]}]
+    ids = tokenize_messages(tokenizer, messages, thinking=False)
+    prompt = chat_prompt(ids, messages, tokenizer, PROCESSOR)
+    assert [s.image.prepared.size for s in prompt.spans] == [(28, 28), (56, 28)]  # c0's image first
