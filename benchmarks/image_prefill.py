@@ -29,7 +29,7 @@ from serve.multimodal import PLACEHOLDER, ImageInput, expand_images
 from serve.sampling import SamplingParams
 
 SIZES = ((224, 224), (448, 448))  # 64 and 256 image tokens
-ROUNDS = 5
+ROUNDS = 9
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 
 
