@@ -11,11 +11,11 @@ each step's pool writes reach every group. That is the simple design; its cost i
 data group's devices hold the KDA states and MLA pages of every running request, not only of their
 own rows (DP attention, as vLLM and SGLang run it, gives each group its own pools and requests).
 
-Images: a runner with `embed_width` (a model with a vision encoder) gives every multi-token step (a
-prefill) an input-embeddings override, values [rows, T, H] and a mask [rows, T], zeros and False where
-no image is: one program per prefill bucket, whether its rows hold images or not, at the price of
-sending the override with text-only prefills too (the simplest way to keep compiles per bucket at
-one; the decode steps, one token a row, never hold an image position and run exactly as without).
+Images: a runner with `embed_width` (a model with a vision encoder) gives a prefill step that reaches
+image positions an input-embeddings override, values [rows, T, H] and a mask [rows, T]. Such a step
+is a program of its own per prefill bucket (both are compiled at warm-up): text-only prefills send
+nothing more, where one program for both would send [rows, T, H] zeros with every one (235 MB a
+step at K3's width and an 8K-token step). Decode steps never hold an image position.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Runner:
         embeds: float32 values [num_rows, num_tokens, H] and a bool mask [num_rows, num_tokens], the
         embeddings that replace the tokens' where the mask is set (a runner with `embed_width`, steps
         of more than one token; None: no image in the step)."""
-        arrays = self._arrays(rows, num_rows, num_tokens) + self._override(embeds, num_rows, num_tokens)
+        arrays = self._arrays(rows, num_rows, num_tokens) + self._override(embeds, num_tokens)
         if device_tokens is not None:
             if self.spans_processes:
                 raise ValueError("device_tokens: a step over several processes takes host tokens")
@@ -129,24 +129,21 @@ class Runner:
         logits, self.pools, taps = self._call(_step, arrays[:5], embeds=arrays[5:])
         return self._local(logits), taps
 
-    def _override(self, embeds, num_rows: int, num_tokens: int) -> tuple:
+    def _override(self, embeds, num_tokens: int) -> tuple:
         """The step's embeddings override as (values, mask), or () for a step that takes none."""
-        if self.embed_width is None or num_tokens == 1:
-            if embeds is not None:
-                raise ValueError("embeds: only the prefill steps of a runner with embed_width take them")
-            return ()
-        if embeds is None:
-            return (np.zeros((num_rows, num_tokens, self.embed_width), np.float32),
-                    np.zeros((num_rows, num_tokens), bool))
-        return tuple(embeds)
+        if embeds is not None and (self.embed_width is None or num_tokens == 1):
+            raise ValueError("embeds: only the prefill steps of a runner with embed_width take them")
+        return () if embeds is None else tuple(embeds)
 
     def compile(self, num_rows: int, num_tokens: int) -> None:
         """Compiles the step of [num_rows, num_tokens] without running it. Lowering fills jit's caches,
         so the first real step of that shape only dispatches; it reads the pools' shapes, not their
         buffers, so another thread may run steps meanwhile."""
         arrays = self._arrays([], num_rows, num_tokens)
-        self._call(_step, arrays, embeds=self._override(None, num_rows, num_tokens), pools=self._pool_specs,
-                   compile_only=True)
+        self._call(_step, arrays, pools=self._pool_specs, compile_only=True)
+        if self.embed_width is not None and num_tokens > 1:  # the same step with images
+            embeds = (np.zeros((num_rows, num_tokens, self.embed_width), np.float32), np.zeros((num_rows, num_tokens), bool))
+            self._call(_step, arrays, embeds=embeds, pools=self._pool_specs, compile_only=True)
 
     def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
         """Like `run` over speculative windows (the last token, then the drafts), without touching the

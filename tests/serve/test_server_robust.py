@@ -215,7 +215,8 @@ BOUNDS = [
     ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     # fields of OpenAI or vLLM this server does not serve: refused, not silently ignored
     ("/v1/completions", {"suffix": "x"}, "suffix"),
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),  # vLLM's bound (tests/serve/test_prompt_logprobs.py)
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM: not in a stream
     # structured outputs the server recognises but cannot honour (tests/serve/test_structured.py serves them)
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
