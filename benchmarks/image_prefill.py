@@ -1,8 +1,8 @@
 """What an image costs a prompt's prefill, on a synthetic k3-tiny with its tiny vision tower (random
 weights; the shipped k3-tiny has no tower): the time to first token of a prompt holding one image
-against a text prompt of the same token count, on the same engine (whose prefill steps always carry
-the embeddings override, zeros for text) and on an engine of the same model without the tower (no
-override: what the override itself costs a text prefill). The image is timed with its encoder run
+against a text prompt of the same token count, on the same engine and on an engine of the same model
+without the tower (what having a tower costs a text prefill: since 4dffe62 a text prefill carries no
+embeddings override; results before it measured one of zeros). The image is timed with its encoder run
 (a new image each round) and with the encoder's output cached (the same image again; prefix caching
 off, so the prefill is recomputed). Also the encoder alone: images/s and patches/s. Two image sizes,
 interleaved rounds, medians.
