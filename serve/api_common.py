@@ -16,6 +16,7 @@ from serve import api_checks
 from serve.api_protocol import ChatCompletionRequest
 from serve.async_engine import AsyncEngine, EngineDead, QueueFull, RequestGroup
 from serve.detokenizer import OutputText
+from serve.multimodal import DEFAULT_IMAGE_LIMIT
 from serve.sampling import SamplingParams
 
 
@@ -27,7 +28,7 @@ class ServerConfig:
     max_body_bytes: int = 16 << 20
     max_n: int = 128  # choices (n, best_of) one request may ask for
     allowed_local_media_path: str | None = None  # file:// image URLs may read under this directory
-    limit_mm_per_prompt: int = 999  # images per prompt (vLLM V1's default)
+    limit_mm_per_prompt: int = DEFAULT_IMAGE_LIMIT  # images per prompt
     # TESTING ONLY: lets a chat request force the model's output (`k3jax_test_forced_output`).
     enable_test_hooks: bool = False
 
