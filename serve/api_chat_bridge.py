@@ -7,7 +7,8 @@ message's problems name the part of the request it came from (`sources`), and `n
 field names to the API's own (`stop` is Anthropic's `stop_sequences`). The output goes through the
 same K3 parsers as chat's; a stream's parser deltas come out as blocks (Anthropic's content blocks,
 OpenAI's output items): reasoning or text that grows until the other kind or a tool call arrives,
-and each tool call whole.
+and each tool call whole. `chat_inputs` reads chat messages' `image_url` parts as the chat
+endpoint does, for /tokenize.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pydantic
 from pydantic import BaseModel
 
-from serve import api_checks
+from serve import api_checks, multimodal
 from serve.api_checks import FieldError
 from serve.api_outputs import Totals
 from serve.api_protocol import ChatCompletionRequest, ChatRequestWithTestHook
@@ -97,6 +98,17 @@ async def chat_prompt(fields: dict, sources: list[str], names: dict[str, str], e
     if forced is not None:
         params = dataclasses.replace(params, max_tokens=len(forced), ignore_eos=True)
     return ChatPrompt(ids, params, thinking, tools if chat.parses_tool_calls() else None, forced)
+
+
+def chat_inputs(ids: list[int], messages: list, engine: AsyncEngine, config: ServerConfig):
+    """A rendered chat prompt with its messages' `image_url` parts read and expanded as the chat
+    endpoint does (serve/multimodal.chat_prompt, under the server's --allowed-local-media-path and
+    --limit-mm-per-prompt; a model without a vision tower refuses every image). Blocks: run it in a
+    worker thread. ValueErrors name the part, `messages[i].content[j]`."""
+    vision = engine.engine.model.vision
+    return multimodal.chat_prompt(ids, messages, engine.tokenizer, None if vision is None else vision.processor,
+                                  allowed_local_media_path=config.allowed_local_media_path,
+                                  limit=config.limit_mm_per_prompt)
 
 
 def _renamed(error: FieldError, sources: list[str]) -> FieldError:

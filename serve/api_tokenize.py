@@ -4,22 +4,29 @@ tokenizer without having its files.
 
 A text prompt is tokenized as `/v1/completions` tokenizes it (special-token text such as `[EOS]`
 becomes the special token, as Hugging Face tokenizers and vLLM do: the harness finds the EOS id by
-tokenizing the EOS token's text); chat messages as `/v1/chat/completions` renders them. K3's prompt
-format is its Python encoder, not a Jinja template, so `/tokenizer_info` has no `chat_template`.
+tokenizing the EOS token's text); chat messages as `/v1/chat/completions` renders them, each image
+part expanded into the tokens it occupies in the prompt the engine runs (its media run: vLLM's
+renderer runs the multimodal processor for /tokenize too, so `count` and `tokens` are those of the
+engine's prompt, not of the template's one placeholder per image). K3's prompt format is its Python
+encoder, not a Jinja template, so `/tokenizer_info` has no `chat_template`.
 The handlers raise ValueErrors that name the field, which the routes answer with 400s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
+from serve.api_chat_bridge import chat_inputs
 from serve.api_common import APIError, ServerConfig, bad_request, check_model
 from serve.api_protocol import ChatCompletionRequest
 from serve.async_engine import AsyncEngine
 from serve.chat import tokenize_messages
+from serve.multimodal import MultimodalPrompt
 
 
 class _Body(BaseModel):
@@ -46,10 +53,15 @@ class Detokenize(_Body):
     tokens: list[int]
 
 
-def tokenize(tokenizer, body: TokenizeCompletion | TokenizeChat, max_model_len: int) -> dict:
+def tokenize(tokenizer, body: TokenizeCompletion | TokenizeChat, max_model_len: int,
+             with_images: Callable[[list[int], list], list[int] | MultimodalPrompt]) -> dict:
+    """`with_images(ids, messages)`: a rendered chat prompt with its messages' images expanded, as
+    serve/multimodal.chat_prompt gives it."""
     if isinstance(body, TokenizeChat):
         ids = tokenize_messages(tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
                                 **body.prompt_options())
+        prompt = with_images(ids, body.messages)
+        ids = prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt
     else:
         ids = tokenizer.encode_prompt(body.prompt)
     out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
@@ -84,7 +96,8 @@ def add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig
             check_model(body.model, config)
         tokenizer = tokenizer_of("messages" if isinstance(body, TokenizeChat) else "prompt")
         with bad_request():  # tiktoken releases the GIL: a long prompt keeps the event loop free
-            return await asyncio.to_thread(tokenize, tokenizer, body, engine.max_model_len)
+            return await asyncio.to_thread(tokenize, tokenizer, body, engine.max_model_len,
+                                           functools.partial(chat_inputs, engine=engine, config=config))
 
     @app.post("/detokenize")
     async def detokenize_route(body: Detokenize):

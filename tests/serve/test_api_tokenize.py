@@ -2,9 +2,12 @@
 harness's remote tokenizer reads from them (the EOS id by tokenizing the EOS text, round trips), and
 the chat form, which must give the chat endpoint's prompt."""
 
+import functools
+
 import pytest
 
-from serve.api_tokenize import Detokenize, TokenizeChat, TokenizeCompletion, detokenize, tokenize, tokenizer_info
+from serve import multimodal
+from serve.api_tokenize import Detokenize, TokenizeChat, TokenizeCompletion, detokenize, tokenizer_info
 from serve.chat import tokenize_messages
 from serve.llm import default_model_dir, load_tokenizer
 
@@ -12,6 +15,14 @@ from serve.llm import default_model_dir, load_tokenizer
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(default_model_dir())
+
+
+def tokenize(tokenizer, body, max_model_len):
+    """The handler as the route calls it, on a model without a vision tower."""
+    from serve.api_tokenize import tokenize as handler
+
+    return handler(tokenizer, body, max_model_len,
+                   functools.partial(multimodal.chat_prompt, tokenizer=tokenizer, processor=None))
 
 
 def test_text_round_trips_and_special_text_is_the_special_token(tokenizer):
@@ -43,3 +54,12 @@ def test_chat_form_is_the_chat_endpoints_prompt(tokenizer):
 def test_ids_outside_the_vocabulary_name_the_field(tokenizer):
     with pytest.raises(ValueError, match=r"^tokens: token ids must lie in \[0, 512\)"):
         detokenize(tokenizer, Detokenize(tokens=[1, 512]), 512)
+
+
+def test_a_chats_image_is_refused_by_part_without_a_vision_tower(tokenizer):
+    """The embedded k3-tiny has no vision tower: an image part is a 400 naming it, as in a chat
+    request (the counts of images a tower reads: tests/serve/test_api_images.py)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: this model has no vision tower"):
+        tokenize(tokenizer, TokenizeChat(messages=messages), 64)
