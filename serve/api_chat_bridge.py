@@ -7,12 +7,13 @@ message's problems name the part of the request it came from (`sources`), and `n
 field names to the API's own (`stop` is Anthropic's `stop_sequences`). The output goes through the
 same K3 parsers as chat's; a stream's parser deltas come out as blocks (Anthropic's content blocks,
 OpenAI's output items): reasoning or text that grows until the other kind or a tool call arrives,
-and each tool call whole. `chat_inputs` reads chat messages' `image_url` parts as the chat
-endpoint does, for /tokenize.
+and each tool call whole. Chat's `image_url` parts in the converted messages are read as the chat
+endpoint reads them (`chat_inputs`), which /tokenize shares.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import re
@@ -55,7 +56,7 @@ def test_hook_fields(body: BaseModel) -> dict:
 class ChatPrompt:
     """A converted request's prompt and what reading its output needs."""
 
-    ids: list[int]
+    ids: list[int] | multimodal.MultimodalPrompt
     params: SamplingParams
     thinking: bool
     tools: list[dict] | None  # what tool calls are parsed against; None when they are not parsed
@@ -70,9 +71,11 @@ class ChatRun:
 
 
 async def chat_prompt(fields: dict, sources: list[str], names: dict[str, str], engine: AsyncEngine,
-                      config: ServerConfig) -> ChatPrompt:
+                      config: ServerConfig, *, images: bool = False) -> ChatPrompt:
     """The prompt and sampling params of a chat request with these `fields` (its messages converted
-    from the request parts that `sources` names, one each), checked as the chat endpoint checks."""
+    from the request parts that `sources` names, one each), checked as the chat endpoint checks;
+    with `images`, its `image_url` parts expanded as the chat endpoint expands them (the Messages
+    route expands its own image blocks)."""
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer files, which chat needs; use /v1/completions with "
@@ -92,6 +95,8 @@ async def chat_prompt(fields: dict, sources: list[str], names: dict[str, str], e
         params = chat.chat_sampling_params(0)
         forced = forced_tokens(chat, tokenizer)
         ids = await api_checks.chat_prompt_ids(tokenizer, chat.messages, engine.max_model_len, **options)
+        if images:
+            ids = await asyncio.to_thread(chat_inputs, ids, chat.messages, engine, config)
     except ValueError as error:
         error = _renamed(api_checks.field_error(error, names), sources)
         raise APIError(400, str(error), param=error.param) from error
@@ -112,13 +117,15 @@ def chat_inputs(ids: list[int], messages: list, engine: AsyncEngine, config: Ser
 
 
 def _renamed(error: FieldError, sources: list[str]) -> FieldError:
-    """A converted message's error as an error of the request part it came from."""
+    """A converted message's error as an error of the request part it came from (a part within the
+    message keeps its path: `messages[2].content[1]` of `input[0]` is `input[0].content[1]`)."""
     match = _MESSAGE_PATH.match(error.param or "")
     if match is None:
         return error
     source = sources[int(match.group(1))]
     message = str(error)
-    return FieldError(source, source + message[match.end():] if message.startswith(match.group()) else message)
+    return FieldError(source + error.param[match.end():],
+                      source + message[match.end():] if message.startswith(match.group()) else message)
 
 
 async def run_chat(prompt: ChatPrompt, engine: AsyncEngine, input_field: str) -> ChatRun:

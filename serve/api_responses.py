@@ -3,7 +3,10 @@
 
 A request becomes a chat completion request (serve/api_chat_bridge.py) and runs as one. Its
 `instructions` are a system message; `input` is a string (one user message) or items: messages
-(roles user, system, developer, assistant; `input_text` / `output_text` parts), `reasoning`
+(roles user, system, developer, assistant; `input_text` / `output_text` parts, and in the other
+roles' messages `input_image` parts: chat's `image_url` parts, so the chat endpoint's rules hold,
+data: URLs, file:// ones under --allowed-local-media-path, --limit-mm-per-prompt, a vision tower
+needed, every bad image a 400 naming `input[i].content[j]`), `reasoning`
 (its `reasoning_text` content, else its summary, is the next assistant turn's reasoning),
 `function_call` and `function_call_output` (answering its call by `call_id`). Consecutive
 reasoning, assistant message and function call items are one assistant turn, in that order.
@@ -29,11 +32,12 @@ stored in this process only, the last MAX_STORED of them; GET returns one, DELET
 Every response is synchronous (no `background`), so cancel answers as vLLM 0.33 does for one: 404
 for an unknown id, else 400 "Cannot cancel a synchronous response.".
 
-Recognised but not servable, hence a 400 naming the field: image and file parts (images are not
-served yet), encrypted reasoning, item references, non-function tools, reasoning summaries, a
-`text.format` other than text (no constrained decoding), `parallel_tool_calls: false`,
-`background`, `truncation: "auto"`, `include` items other than the output_text logprobs,
-`top_logprobs` without them, vLLM's `prompt_logprobs`, `conversation`, `prompt`, `max_tool_calls`.
+Recognised but not servable, hence a 400 naming the field: file parts, file ids and `detail: "low"`
+of images (an image is read at full detail), encrypted reasoning, item references, non-function
+tools, reasoning summaries, a `text.format` other than text (no constrained decoding),
+`parallel_tool_calls: false`, `background`, `truncation: "auto"`, `include` items other than the
+output_text logprobs, `top_logprobs` without them, vLLM's `prompt_logprobs`, `conversation`,
+`prompt`, `max_tool_calls`.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ MAX_STORED = 1024  # responses kept for previous_response_id; the oldest goes fi
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` item served
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "reasoning_text", "summary_text")
+IMAGE_DETAILS = ("auto", "high")  # what reading an image at its full size (up to the processor's max_pixels) honours
 # An assistant turn's parts in the order K3 writes them; an item that cannot follow the turn's last
 # part starts a new turn.
 TURN_ORDER = {"reasoning": 0, "message": 1, "function_call": 2}
@@ -177,7 +182,7 @@ def _messages(items: list, paths: list[str]) -> tuple[list[dict], list[str]]:
             role = item.get("role")
             if role not in ROLES:
                 raise FieldError(f"{path}.role", f"{path}.role: {role!r} is not one of {', '.join(ROLES)}")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{path}.content")})
+            messages.append({"role": role, "content": _content(item.get("content"), f"{path}.content")})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", path),
                              "content": _text(item.get("output"), f"{path}.output")})
@@ -215,15 +220,40 @@ def _text(content: Any, field: str) -> str:
         return content
     if not isinstance(content, list):
         raise FieldError(field, f"{field}: must be a string or a list of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
-            raise FieldError(f"{field}[{j}].type", f"{field}[{j}].type: {kind!r} is not a text part (image and "
-                                                   "file parts are not supported by this server yet)")
-    return "".join(texts)
+    return "".join(_part_text(part, f"{field}[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, field: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+        return part["text"]
+    why = {"input_image": " (images are input: user, system and developer messages hold them)",
+           "input_file": " (file inputs are not supported by this server)"}.get(kind, "")
+    raise FieldError(f"{field}.type", f"{field}.type: {kind!r} is not a text part{why}")
+
+
+def _content(content: Any, field: str) -> str | list[dict]:
+    """A user, system or developer message's content: its text, or chat's content parts when it holds
+    an image, one per part (so the chat endpoint's errors about part j name this message's part j)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, field)
+    return [_image_part(part, f"{field}[{j}]") if isinstance(part, dict) and part.get("type") == "input_image" else
+            {"type": "text", "text": _part_text(part, f"{field}[{j}]")} for j, part in enumerate(content)]
+
+
+def _image_part(part: dict, field: str) -> dict:
+    """An input_image part as chat's image_url part, which the chat endpoint's rules read."""
+    if part.get("file_id") is not None:
+        raise FieldError(f"{field}.file_id", f"{field}.file_id: file ids are not supported by this server (it has "
+                                             "no Files API); send the image as image_url")
+    if not isinstance(part.get("image_url"), str):
+        raise FieldError(f"{field}.image_url", f"{field}.image_url: must be a data: URL (or a file:// URL under "
+                                               "the server's --allowed-local-media-path)")
+    if part.get("detail", "auto") not in IMAGE_DETAILS:
+        raise FieldError(f"{field}.detail", f"{field}.detail: {part['detail']!r} is not supported by this server "
+                                            f"(one of {', '.join(IMAGE_DETAILS)}: images are read at full detail)")
+    return {"type": "image_url", "image_url": {"url": part["image_url"]}}
 
 
 def add_responses_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> None:
@@ -243,8 +273,8 @@ def add_responses_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig
         except ValueError as error:
             error = api_checks.field_error(error)
             raise APIError(400, str(error), param=error.param) from error
-        run = await run_chat(await chat_prompt(fields, sources, {"max_tokens": "max_output_tokens"}, engine, config),
-                             engine, "input")
+        prompt = await chat_prompt(fields, sources, {"max_tokens": "max_output_tokens"}, engine, config, images=True)
+        run = await run_chat(prompt, engine, "input")
         response = _Response(body, engine, config)
 
         def store(final: dict) -> None:
