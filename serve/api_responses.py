@@ -28,21 +28,22 @@ output_text deltas carry those of the tokens that arrived since the previous del
 
 `previous_response_id` continues a stored response (`store`, the default): its conversation and
 output come before this request's input, as OpenAI does, and its instructions do not. Responses are
-stored in this process only, the last MAX_STORED of them; GET returns one, DELETE forgets it.
-Every response is synchronous (no `background`), so cancel answers as vLLM 0.33 does for one: 404
-for an unknown id, else 400 "Cannot cancel a synchronous response.".
+stored in this process only (serve/api_responses_store.py); GET returns one, DELETE forgets it.
+`background: true` (with `store`, else a 400 as vLLM's) answers at once with the queued response,
+which GET follows to its result and cancel stops; with `stream` too, the stream's events are kept
+for GET ?stream=true (serve/api_responses_store.py).
 
 Recognised but not servable, hence a 400 naming the field: file parts, file ids and `detail: "low"`
 of images (an image is read at full detail), encrypted reasoning, item references, non-function
 tools, reasoning summaries, a `text.format` other than text (no constrained decoding),
-`parallel_tool_calls: false`, `background`, `truncation: "auto"`, `include` items other than the
-output_text logprobs, `top_logprobs` without them, vLLM's `prompt_logprobs`, `conversation`,
-`prompt`, `max_tool_calls`.
+`parallel_tool_calls: false`, `truncation: "auto"`, `include` items other than the output_text
+logprobs, `top_logprobs` without them, vLLM's `prompt_logprobs`, `conversation`, `prompt`,
+`max_tool_calls`.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import json
 import secrets
 import time
@@ -59,12 +60,12 @@ from serve.api_checks import FieldError
 from serve.api_outputs import Totals, token_logprobs
 from serve.api_protocol import SamplingRequest, Strict
 from serve.api_common import APIError, ServerConfig, check_model, unless_disconnected
+from serve.api_responses_store import ResponseStore
 from serve.async_engine import AsyncEngine
 from serve.chat import parse_output
 from serve.engine import RequestOutput
 from serve.sampling import MAX_LOGPROBS
 
-MAX_STORED = 1024  # responses kept for previous_response_id; the oldest goes first
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` item served
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "reasoning_text", "summary_text")
@@ -106,14 +107,14 @@ class ResponsesRequest(SamplingRequest):
     text: dict[str, Any] | None = None  # only {"format": {"type": "text"}}
     include: list[str] | None = None  # only OUTPUT_LOGPROBS
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per output_text token
+    background: bool = False
     # Recognised, not served: refused unless neutral.
     parallel_tool_calls: bool = True
-    background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
-    UNSUPPORTED: ClassVar[tuple] = (("prompt_logprobs", None), ("parallel_tool_calls", True), ("background", False),
+    UNSUPPORTED: ClassVar[tuple] = (("prompt_logprobs", None), ("parallel_tool_calls", True),
                                     ("truncation", "disabled"), ("conversation", None), ("prompt", None),
                                     ("max_tool_calls", None))
 
@@ -134,6 +135,8 @@ class ResponsesRequest(SamplingRequest):
                              "reasoning itself is returned)")
         if self.text not in (None, {}, {"format": {"type": "text"}}):
             raise ValueError('text: only {"format": {"type": "text"}} is supported by this server')
+        if self.background and not self.store:
+            raise ValueError("background: can only be used when `store` is true")
 
     def chat_fields(self, previous: list[dict]) -> tuple[dict, list[str]]:
         """The chat request's fields and, per chat message, the part of this request it came from,
@@ -257,17 +260,11 @@ def _image_part(part: dict, field: str) -> dict:
 
 
 def add_responses_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> None:
-    # response id -> (the conversation's items, this response's output included; the response)
-    stored: collections.OrderedDict[str, tuple[list, dict]] = collections.OrderedDict()
+    stored = ResponseStore()
 
     async def create(body: ResponsesRequest, request: Request):
         check_model(body.model, config)
-        previous = []
-        if body.previous_response_id is not None:
-            if body.previous_response_id not in stored:
-                raise APIError(400, f"previous_response_id: no stored response {body.previous_response_id!r} "
-                                    "(responses are kept in this server process only)", param="previous_response_id")
-            previous = stored[body.previous_response_id][0]
+        previous = [] if body.previous_response_id is None else stored.conversation(body.previous_response_id)
         try:
             fields, sources = body.chat_fields(previous)
         except ValueError as error:
@@ -276,14 +273,21 @@ def add_responses_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig
         prompt = await chat_prompt(fields, sources, {"max_tokens": "max_output_tokens"}, engine, config, images=True)
         run = await run_chat(prompt, engine, "input")
         response = _Response(body, engine, config)
+        inputs = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
 
         def store(final: dict) -> None:
-            if body.store:
-                inputs = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-                stored[final["id"]] = (previous + inputs + final["output"], final)
-                while len(stored) > MAX_STORED:
-                    stored.popitem(last=False)
+            if body.background:
+                stored.finish(final["id"], previous + inputs + final["output"], final)
+            elif body.store and final["status"] != "failed":
+                stored.put(final["id"], previous + inputs + final["output"], final)
 
+        if body.background:
+            run = dataclasses.replace(run, outputs=_on_first(run.outputs, lambda: stored.started(response.id)))
+            work = response.stream(run, store) if body.stream else response.whole(run, store)
+            stored.run_in_background(response.id, response.envelope("queued", [], None), work, run.group.abort)
+            if body.stream:
+                return StreamingResponse(stored.events(response.id, None), media_type="text/event-stream")
+            return stored.get(response.id)
         if body.stream:
             return StreamingResponse(response.stream(run, store), media_type="text/event-stream")
         return await unless_disconnected(request, response.whole(run, store))
@@ -291,25 +295,30 @@ def add_responses_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig
     create.__annotations__["body"] = request_schema(ResponsesRequest, config)
     app.post("/v1/responses")(create)
 
-    def stored_response(response_id: str) -> dict:
-        if response_id not in stored:
-            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id")
-        return stored[response_id][1]
-
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str):
-        return stored_response(response_id)
+    async def retrieve(response_id: str, stream: bool = False, starting_after: int | None = None):
+        if stream:
+            return StreamingResponse(stored.events(response_id, starting_after), media_type="text/event-stream")
+        return stored.get(response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):
-        stored_response(response_id)
-        del stored[response_id]
+        stored.forget(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str):
-        stored_response(response_id)  # every response here is synchronous: finished once stored
-        raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
+        return await stored.cancel(response_id)
+
+
+async def _on_first(outputs, started):
+    """`outputs`, calling `started` when the first arrives."""
+    first = True
+    async for output in outputs:
+        if first:
+            started()
+            first = False
+        yield output
 
 
 class _Response:
@@ -333,7 +342,8 @@ class _Response:
                 "metadata": body.metadata or {}, "parallel_tool_calls": True,
                 "previous_response_id": body.previous_response_id,
                 "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
-                "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
+                "store": body.store, "background": body.background, "temperature": body.temperature,
+                "top_p": body.top_p,
                 "text": {"format": {"type": "text"}}, "tool_choice": _dumped(body.tool_choice) or "auto",
                 "tools": [tool.model_dump() for tool in body.tools or ()], "top_logprobs": body.top_logprobs,
                 "truncation": "disabled", "usage": usage}
@@ -441,7 +451,9 @@ class _Response:
             store(final)
             yield self.event(f"response.{final['status']}", response=final)
         except Exception as error:  # headers are sent: the error goes in the stream
-            yield self.event("error", code="server_error", message=stream_error_message(error, self.id), param=None)
+            message = stream_error_message(error, self.id)
+            store({**self.envelope("failed", items, None), "error": {"code": "server_error", "message": message}})
+            yield self.event("error", code="server_error", message=message, param=None)
 
 
 _TEXT_EVENTS = {"reasoning": "reasoning_text", "text": "output_text"}

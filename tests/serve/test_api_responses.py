@@ -2,8 +2,10 @@
 on one k3-tiny server for the module (python -m k3jax.serve); reasoning and function
 calls through the test hook that forces the model's output."""
 
+import asyncio
 import itertools
 import json
+import time
 
 import numpy as np
 import openai
@@ -11,6 +13,8 @@ import pytest
 
 import k3jax
 from serve.api_chat_bridge import ContentTokens
+from serve.api_common import APIError
+from serve.api_responses_store import ResponseStore
 from serve.chat import parse_output
 from serve.llm import default_model_dir, load_tokenizer
 from tests.agreement import FP32, Referee
@@ -129,7 +133,7 @@ BAD_REQUESTS = [
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"text": {"format": {"type": "json_object"}}}, "text"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background: can only be used when `store` is true"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"top_logprobs": 2}, "top_logprobs: needs include"),
     ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
@@ -227,3 +231,115 @@ def test_content_tokens_decode_to_the_parsers_content(text, thinking):
         content = ContentTokens(tokenizer, thinking)
         positions = content.positions(ids[:split]) + [split + p for p in content.positions(ids[split:])]
         assert tokenizer.decode([ids[p] for p in positions]) == want
+
+
+def poll(server, response_id: str, statuses=("queued", "in_progress")):
+    """GET the response until its status leaves `statuses`; every status seen on the way."""
+    seen = []
+    while True:
+        response = server.client().responses.retrieve(response_id)
+        seen.append(response.status)
+        if response.status not in statuses:
+            return response, seen
+        time.sleep(0.05)
+
+
+def test_background_response_polled_to_completion_is_the_synchronous_one(server):
+    kwargs = {"temperature": 0, "reasoning": INSTANT, "extra_body": LONG}
+    wait_idle(server)
+    whole = create(server, **kwargs)
+    wait_idle(server)
+    queued = create(server, background=True, **kwargs)
+    assert queued.status in ("queued", "in_progress") and queued.background and queued.output == []
+    final, seen = poll(server, queued.id)
+    assert set(seen[:-1]) <= {"queued", "in_progress"} and final.status == whole.status == "incomplete"
+    assert final.id == queued.id and final.output_text == whole.output_text
+    assert final.usage.model_dump() == whole.usage.model_dump()
+    with pytest.raises(openai.BadRequestError) as error:  # finished: vLLM's answer for a finished response
+        server.client().responses.cancel(final.id)
+    assert error.value.body["message"] == "Cannot cancel a synchronous response."
+    chained = create(server, previous_response_id=final.id, input="more", max_output_tokens=1)  # stored as any
+    history = [{"role": "user", "content": "hi"}, *[item.model_dump(exclude_none=True) for item in final.output],
+               {"role": "user", "content": "more"}]
+    assert chained.usage.input_tokens == create(server, input=history, max_output_tokens=1).usage.input_tokens
+
+
+def test_background_stream_is_the_stream_and_get_replays_it(server):
+    kwargs = {"temperature": 0, "reasoning": INSTANT, "extra_body": LONG}
+    wait_idle(server)
+    live = list(create(server, stream=True, **kwargs))
+    wait_idle(server)
+    events = list(create(server, stream=True, background=True, **kwargs))
+    assert [e.type for e in events] == [e.type for e in live]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == live[-1].response.output_text
+    response_id = events[0].response.id
+    replayed = list(server.client().responses.retrieve(response_id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in events[4:]]
+    assert server.client().responses.retrieve(response_id).output_text == live[-1].response.output_text
+    with pytest.raises(openai.BadRequestError) as error:  # only a background stream's events are kept
+        list(server.client().responses.retrieve(create(server, max_output_tokens=1).id, stream=True))
+    assert error.value.body["param"] == "stream"
+
+
+def test_cancelled_background_response_frees_the_engine_and_others_go_on(server):
+    """A background response as long as the context allows, cancelled while it runs: it ends
+    "cancelled", its engine request is aborted (every page and slot back), and the server serves a
+    request that ran beside it and the ones after."""
+    client = server.client()
+    wait_idle(server, pool_full=True)
+    running = create(server, background=True, max_output_tokens=None, extra_body=LONG)
+    beside = create(server, max_output_tokens=4, extra_body=LONG)
+    assert beside.status == "incomplete" and beside.usage.output_tokens == 4
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.id == running.id and cancelled.status == "cancelled"
+    wait_idle(server, pool_full=True)
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.cancel(running.id)
+    assert error.value.body["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError) as error:  # no output to continue from
+        create(server, previous_response_id=running.id)
+    assert error.value.body["message"].startswith(f"previous_response_id: response {running.id!r} is cancelled")
+    # forgetting a response that runs cancels it too
+    deleted = create(server, background=True, max_output_tokens=None, extra_body=LONG)
+    with pytest.raises(openai.BadRequestError) as error:
+        create(server, previous_response_id=deleted.id)
+    assert "only a finished response can be continued" in error.value.body["message"]
+    client.responses.delete(deleted.id)
+    wait_idle(server, pool_full=True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
+    assert create(server, max_output_tokens=2, extra_body=LONG).usage.output_tokens == 2
+
+
+def test_the_store_stops_the_runs_it_forgets_or_cancels_before_they_start():
+    """Past max_stored the oldest response goes: one still running has its task cancelled and its
+    engine request aborted. A streamed run cancelled before its task ever ran ends its readers."""
+    async def scenario():
+        store, aborted, cancelled = ResponseStore(max_stored=1), [], []
+
+        async def runs():
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.append("a")
+                raise
+
+        store.run_in_background("a", {"id": "a", "status": "queued"}, runs(), lambda: aborted.append("a"))
+        await asyncio.sleep(0)  # its task starts
+        store.put("b", [], {"id": "b", "status": "completed"})
+        await asyncio.sleep(0)
+        assert cancelled == ["a"] and "a" in aborted
+        with pytest.raises(APIError):
+            store.get("a")
+
+        async def events():
+            yield "never sent"
+
+        store.run_in_background("c", {"id": "c", "status": "queued"}, events(), lambda: aborted.append("c"))
+        replay = store.events("c", None)
+        assert (await store.cancel("c"))["status"] == "cancelled" and "c" in aborted
+        assert [event async for event in replay] == []
+
+    asyncio.run(scenario())
