@@ -39,6 +39,32 @@ class CacheLayout:
         return CacheLayout(page_size, int(pages), slots)
 
 
+def engine_layout(cfg: K3Config, options, dtype_bytes: int, kv_bytes: int, draft_page_bytes: int) -> CacheLayout:
+    """The pools of an engine with `options` (serve.engine.EngineOptions): a slot per request and per
+    prefix-cache snapshot, and the pages `num_gpu_blocks`, `kv_cache_memory_bytes` or, by default, a
+    full-length request per slot make."""
+    snapshots = 0
+    if options.enable_prefix_caching:
+        snapshots = options.max_num_seqs if options.num_snapshot_slots is None else options.num_snapshot_slots
+    slots = options.max_num_seqs + snapshots + 1
+    min_pages = -(-options.max_model_len // options.block_size) + 1  # one full-length request, and the null page
+    if options.num_gpu_blocks is not None:
+        pages = options.num_gpu_blocks
+    elif options.kv_cache_memory_bytes is not None:
+        pages = CacheLayout.from_budget(cfg, memory_bytes=options.kv_cache_memory_bytes,
+                                        max_num_seqs=slots - 1, page_size=options.block_size,
+                                        dtype_bytes=dtype_bytes, kv_cache_dtype_bytes=kv_bytes,
+                                        draft_page_bytes=draft_page_bytes).num_pages
+    else:  # every slot can hold a full-length request
+        pages = options.max_num_seqs * (min_pages - 1) + 1
+    if pages < min_pages:
+        raise ValueError(f"{pages} pages of {options.block_size} tokens "
+                         f"({pages * (page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes)} bytes) "
+                         "cannot hold one "
+                         f"request of max_model_len={options.max_model_len}; raise the cache budget")
+    return CacheLayout(options.block_size, pages, slots)
+
+
 def page_bytes(cfg: K3Config, page_size: int, kv_cache_dtype_bytes: int) -> int:
     """Bytes of one page over every MLA layer."""
     return cfg.layer_types.count(MLA) * page_size * cfg.mla_cache_width * kv_cache_dtype_bytes

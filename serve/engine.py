@@ -28,13 +28,14 @@ from serve.detokenizer import OutputText
 from serve.dspark import speculation
 from serve.encoder_cache import DEFAULT_BUDGET_BYTES, EncoderCache
 from serve.multimodal import MultimodalPrompt
-from serve.cache import CacheAllocator, CacheLayout, page_bytes
+from serve.cache import CacheAllocator, engine_layout, page_bytes, slot_bytes
 from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
 from serve.sampling import SamplingParams
 from serve.step_sampler import StepSampler, picked
 from serve.structured import Grammars
 from serve.scheduler import Request, Scheduler, Status, StepPlan
+from serve.sessions import DEFAULT_TTL_S, SessionPins, session_key
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = False
     num_snapshot_slots: int | None = None  # KDA snapshots the prefix cache keeps (default: max_num_seqs)
+    # Agent sessions (prompt_cache_key, serve/sessions.py): bytes of cache their pins may hold (default a
+    # quarter of the cache's), and how long a pin outlives its request, in seconds
+    session_cache_bytes: int | None = None
+    session_ttl: float = DEFAULT_TTL_S
     seed: int = 0
     # {"method": "dspark", "model": DIR, "num_speculative_tokens": K, "draft_sample_method": "greedy" |
     # "probabilistic"} (vLLM's keys), or that as a JSON string
@@ -77,6 +82,8 @@ class EngineOptions:
                      "max_prefill_rows", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if (self.session_cache_bytes is not None and self.session_cache_bytes < 0) or self.session_ttl < 0:
+            raise ValueError("session_cache_bytes and session_ttl must not be negative")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}")
         if self.batch_invariant and (self.enable_prefix_caching or self.speculative_config is not None):
@@ -96,6 +103,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort" or "error" (the request failed); None while running
     logprobs: list[dict] | None = None
     text: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's name)
 
     @property
     def finished(self) -> bool:
@@ -114,10 +122,15 @@ class Engine:
             speculator = speculation.from_config(options.speculative_config, model, kv_dtype)
         self.speculator = speculator
         self.stats_counters = speculation.SpecStats(speculator.num_speculative_tokens if speculator else 0)
-        self.layout = self._layout(cfg, options, jnp.dtype(model.dtype).itemsize, jnp.dtype(kv_dtype).itemsize,
-                                   speculator.page_bytes(options.block_size) if speculator else 0)
+        kv_bytes = jnp.dtype(kv_dtype).itemsize
+        draft_page_bytes = speculator.page_bytes(options.block_size) if speculator else 0
+        self.layout = engine_layout(cfg, options, jnp.dtype(model.dtype).itemsize, kv_bytes, draft_page_bytes)
         self.prefix_cache = PrefixCache(options.block_size) if options.enable_prefix_caching else None
         self.allocator = CacheAllocator(self.layout, self.prefix_cache)
+        self.sessions = None if self.prefix_cache is None else SessionPins.for_cache(
+            self.prefix_cache, self.layout, options,
+            page_bytes=page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes,
+            slot_bytes=slot_bytes(cfg, jnp.dtype(model.dtype).itemsize))
         # With a vision tower, prefill steps carry the images' embeddings (serve/runner.py)
         self.images = EncoderCache(model.vision, options.mm_encoder_cache_bytes) if model.vision is not None else None
         self.scheduler = Scheduler(self.allocator, max_num_seqs=options.max_num_seqs,
@@ -125,7 +138,8 @@ class Engine:
                                    max_prefill_chunk=min(options.max_prefill_chunk, options.max_num_batched_tokens),
                                    max_prefill_rows=options.max_prefill_rows,
                                    whole_chunks=options.batch_invariant, encoder_cache=self.images,
-                                   encoder_budget=options.max_num_encoder_input_tokens or options.max_num_batched_tokens)
+                                   encoder_budget=options.max_num_encoder_input_tokens
+                                   or options.max_num_batched_tokens, sessions=self.sessions)
         self.runner = Runner(model, self.layout, max_model_len=options.max_model_len, kv_cache_dtype=kv_dtype,
                              taps=speculator.taps if speculator else None,
                              embed_width=cfg.hidden_size if self.images is not None else None)
@@ -149,34 +163,13 @@ class Engine:
         self._ahead: _Ahead | None = None  # the step `_run_ahead` dispatched, its tokens not yet landed
         self.num_steps_ahead = 0
 
-    @staticmethod
-    def _layout(cfg, options: EngineOptions, dtype_bytes: int, kv_bytes: int, draft_page_bytes: int) -> CacheLayout:
-        snapshots = 0
-        if options.enable_prefix_caching:
-            snapshots = options.max_num_seqs if options.num_snapshot_slots is None else options.num_snapshot_slots
-        slots = options.max_num_seqs + snapshots + 1
-        min_pages = -(-options.max_model_len // options.block_size) + 1  # one full-length request, and the null page
-        if options.num_gpu_blocks is not None:
-            pages = options.num_gpu_blocks
-        elif options.kv_cache_memory_bytes is not None:
-            pages = CacheLayout.from_budget(cfg, memory_bytes=options.kv_cache_memory_bytes,
-                                            max_num_seqs=slots - 1, page_size=options.block_size,
-                                            dtype_bytes=dtype_bytes, kv_cache_dtype_bytes=kv_bytes,
-                                            draft_page_bytes=draft_page_bytes).num_pages
-        else:  # every slot can hold a full-length request
-            pages = options.max_num_seqs * (min_pages - 1) + 1
-        if pages < min_pages:
-            raise ValueError(f"{pages} pages of {options.block_size} tokens "
-                             f"({pages * (page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes)} bytes) "
-                             "cannot hold one "
-                             f"request of max_model_len={options.max_model_len}; raise the cache budget")
-        return CacheLayout(options.block_size, pages, slots)
-
     # requests
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queues a prompt (token ids, text when the engine has a tokenizer, or a MultimodalPrompt with
-        its images); returns its id."""
+        its images); returns its id. With `serve.sessions.SessionParams(prompt_cache_key=...)` the
+        request belongs to that agent session: its cached prefix stays pinned for the session's next
+        turn (needs prefix caching)."""
         params = params or SamplingParams()
         prompt, spans, cache_prompt = (prompt.ids, prompt.spans, prompt.cache_ids) \
             if isinstance(prompt, MultimodalPrompt) else (prompt, [], None)
@@ -191,6 +184,10 @@ class Engine:
             raise ValueError(f"logit_bias: token ids must lie in [0, {vocab})")
         if params.top_k > vocab:
             raise ValueError(f"top_k: must be at most the vocabulary size, {vocab}, got {params.top_k}")
+        session = session_key(params)
+        if session is not None and (self.sessions is None or not self.sessions.enabled):
+            raise ValueError("prompt_cache_key: this server keeps no session prefixes (it needs prefix caching, "
+                             "a session TTL, a session cache budget and snapshot slots)")
         if len(ids) + 1 > self.options.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens; max_model_len={self.options.max_model_len} leaves "
                              "no room to generate")
@@ -199,7 +196,8 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None:
             self.grammars.add(request_id, params.structured_outputs)
-        request = Request(request_id, ids, params, next(self._arrivals), images=spans, cache_prompt=cache_prompt)
+        request = Request(request_id, ids, params, next(self._arrivals), images=spans, cache_prompt=cache_prompt,
+                          session=session)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -281,15 +279,19 @@ class Engine:
                 log(done, total)
 
     def reset_prefix_cache(self) -> None:
-        """Drops every cached page and snapshot no running request uses."""
+        """Drops every cached page and snapshot no running request uses, sessions' pins included."""
         if self.prefix_cache is not None:
+            self.sessions.release_all()
             self.allocator.reset_prefix_cache()
 
     def stats(self) -> dict:
-        """Counters: preemptions, prefix-cache hit rate, and the speculative acceptance figures."""
-        stats = {"num_preemptions": self.scheduler.num_preemptions, "num_steps_ahead": self.num_steps_ahead}
+        """Counters: preemptions, prompt tokens computed, prefix-cache hit rate and session pins, and
+        the speculative acceptance figures."""
+        stats = {"num_preemptions": self.scheduler.num_preemptions, "num_steps_ahead": self.num_steps_ahead,
+                 "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens}
         if self.prefix_cache is not None:
-            stats["prefix_cache_hit_rate"] = self.prefix_cache.hit_rate
+            stats.update(prefix_cache_hit_rate=self.prefix_cache.hit_rate, session_pins=len(self.sessions.pins),
+                         session_pinned_pages=self.sessions.pinned_pages, session_pinned_bytes=self.sessions.nbytes)
         if self.speculator is not None:
             stats.update(self.stats_counters.as_dict())
         if self.images is not None:
@@ -500,7 +502,7 @@ class Engine:
         request.num_sent = len(request.output)
         logprobs = request.logprobs[start:] if request.params.logprobs is not None else None
         return RequestOutput(request.id, request.prompt, request.output[start:], request.finish_reason, logprobs,
-                             text)
+                             text, request.num_cached_tokens)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

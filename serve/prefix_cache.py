@@ -9,6 +9,8 @@ engine snapshots each prompt at its last full page (the prefill chunk is cut to 
 
 Entries nobody uses are evicted least recently used first when pages or slots run out. A hit
 and a miss give the same tokens: the hit resumes from exactly the state the miss would compute.
+A pinned chain (an agent session's prefix between its turns, serve/sessions.py) holds a reference on
+each of its pages and keeps the snapshot at its end until it is unpinned.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import numpy as np
 @dataclasses.dataclass
 class Entry:
     page: int
-    refs: int = 0  # running requests using the page
+    refs: int = 0  # running requests and pins using the page
     snapshot: int | None = None  # slot holding the KDA state after this page
+    pins: int = 0  # pinned chains ending here: the snapshot is not evicted
 
 
 class PrefixCache:
@@ -47,8 +50,14 @@ class PrefixCache:
     def lookup(self, prompt: list[int]) -> tuple[list[bytes], list[int], int | None]:
         """The longest cached prefix of `prompt` that ends at a snapshot and leaves at least one token
         to compute: (hashes, pages, snapshot slot); the pages are referenced for the caller."""
-        hashes = self.chain(prompt, 0, (len(prompt) - 1) // self.page_size)
+        hashes = self._referenced(self.chain(prompt, 0, (len(prompt) - 1) // self.page_size))
         self.queried_tokens += len(prompt)
+        self.hit_tokens += len(hashes) * self.page_size
+        return hashes, [self.entries[h].page for h in hashes], self.entries[hashes[-1]].snapshot if hashes else None
+
+    def _referenced(self, hashes: list[bytes]) -> list[bytes]:
+        """The longest cached prefix of the chain `hashes` that ends at a snapshot, its entries
+        referenced (and made the most recently used)."""
         usable = 0
         for i, h in enumerate(hashes):
             entry = self.entries.get(h)
@@ -56,12 +65,10 @@ class PrefixCache:
                 break
             if entry.snapshot is not None:
                 usable = i + 1
-        hashes = hashes[:usable]
-        for h in hashes:
+        for h in hashes[:usable]:
             self.entries[h].refs += 1
             self.entries.move_to_end(h)
-        self.hit_tokens += usable * self.page_size
-        return hashes, [self.entries[h].page for h in hashes], self.entries[hashes[-1]].snapshot if hashes else None
+        return hashes[:usable]
 
     def insert(self, h: bytes, page: int) -> bool:
         """Registers a request's newly filled page (it holds one reference); False if the prefix is
@@ -86,6 +93,27 @@ class PrefixCache:
     def set_snapshot(self, h: bytes, slot: int) -> None:
         self.entries[h].snapshot = slot
 
+    def pin(self, hashes: list[bytes]) -> list[bytes]:
+        """Pins the longest cached prefix of the chain `hashes` that ends at a snapshot (what a request
+        with that prefix resumes from); returns the pinned hashes (none when no snapshot is cached)."""
+        pinned = self._referenced(hashes)
+        if pinned:
+            self.entries[pinned[-1]].pins += 1
+        return pinned
+
+    def unpin(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.entries[h].refs -= 1
+        self.entries[hashes[-1]].pins -= 1
+
+    def drop_snapshot(self, h: bytes) -> int | None:
+        """Takes the snapshot off entry `h` unless a pin protects it: its slot, or None."""
+        entry = self.entries.get(h)
+        if entry is None or entry.pins or entry.snapshot is None:
+            return None
+        slot, entry.snapshot = entry.snapshot, None
+        return slot
+
     def evict(self) -> tuple[int, int | None] | None:
         """Drops the least recently used entry nobody references: (its page, its snapshot slot or None)."""
         for h, entry in self.entries.items():
@@ -96,10 +124,10 @@ class PrefixCache:
         return None
 
     def evict_snapshot(self) -> int | None:
-        """Frees the least recently used snapshot slot (a copy: requests that resumed from it hold their
-        own state; the pages stay cached)."""
+        """Frees the least recently used snapshot slot no pin protects (a copy: requests that resumed
+        from it hold their own state; the pages stay cached)."""
         for entry in self.entries.values():
-            if entry.snapshot is not None:
+            if entry.snapshot is not None and not entry.pins:
                 slot, entry.snapshot = entry.snapshot, None
                 return slot
         return None

@@ -9,6 +9,10 @@ recomputing its prompt and the tokens it already generated (so its output does n
 A suspect (a request of a step that failed, see serve/engine.py) runs alone: it is admitted only
 into an empty batch, and nothing joins it until its next token. A paused request (its reader is
 behind) keeps its pages and slot but takes no part in steps until it is resumed.
+A request of an agent session (serve/sessions.py) snapshots its KDA state at every page boundary it
+reaches, keeping only the latest of those, and when it finishes the prefix cache pins what it leaves
+cached; pins expire after their TTL, and give way (oldest first) only when a step could otherwise
+run nothing for want of pages.
 Images are encoded in the step whose chunk first reaches them; the encoder runs on at most
 `encoder_budget` image tokens a step (vLLM's encoder budget; one image however large when the step
 has none yet): a chunk that would reach an image past it ends where that image starts.
@@ -22,6 +26,7 @@ import enum
 
 from serve.cache import CacheAllocator
 from serve.prefix_cache import PrefixCache
+from serve.sessions import SessionPins
 
 
 class Status(enum.Enum):
@@ -53,6 +58,9 @@ class Request:
     num_sent: int = 0  # output tokens handed out as deltas
     images: list = dataclasses.field(default_factory=list)  # serve.multimodal.ImageSpan per image, in order
     cache_prompt: list[int] | None = None  # what the prefix cache hashes for the prompt, when not the prompt
+    session: str | None = None  # its agent session's key (prompt_cache_key): its prefix is pinned when it finishes
+    trail: bytes | None = None  # the page whose snapshot it took last past its prompt's boundary (a session's)
+    num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -82,12 +90,13 @@ class StepPlan:
 class Scheduler:
     def __init__(self, allocator: CacheAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_chunk: int, max_prefill_rows: int, whole_chunks: bool = False, encoder_cache=None,
-                 encoder_budget: int = 0):
+                 encoder_budget: int = 0, sessions: SessionPins | None = None):
         """whole_chunks: a prefill chunk is always min(pending, max_prefill_chunk) tokens, waiting for a
         later step rather than shortened by what others leave of the budget or the pages, so that how
         a prompt is chunked (which changes its numbers) depends on that prompt alone.
         encoder_cache: the engine's serve.encoder_cache.EncoderCache (a model with a vision tower), whose
-        images need no encoder run; encoder_budget: image tokens a step may encode."""
+        images need no encoder run; encoder_budget: image tokens a step may encode.
+        sessions: the agent sessions' pins in the prefix cache (with prefix caching)."""
         self.allocator = allocator
         self.prefix_cache: PrefixCache | None = allocator.prefix_cache
         self.page_size = allocator.layout.page_size
@@ -98,10 +107,14 @@ class Scheduler:
         self.whole_chunks = whole_chunks
         self.encoder_cache = encoder_cache
         self.encoder_budget = encoder_budget
+        self.sessions = sessions
         self._encoding: dict[bytes, int] = {}  # this step's images to encode: digest -> tokens
+        self._short_of_pages = False  # this step left a request without the page it needed
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        # prompt tokens admitted for computing: not found in the prefix cache (again after a preemption)
+        self.num_computed_prompt_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -110,7 +123,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        self._encoding = {}
+        if self.sessions is not None:
+            self.sessions.expire()
+        plan = self._schedule()
+        # Pins hold pages for a later turn, not against a request that could otherwise not run at all.
+        while not plan and self._short_of_pages and self.sessions is not None and self.sessions.release_oldest():
+            plan = self._schedule()
+        return plan
+
+    def _schedule(self) -> StepPlan:
+        self._encoding, self._short_of_pages = {}, False
         decode = [r for r in self.running if r.pending == 1 and not r.paused]
         for request in list(decode):
             if request.status is not Status.RUNNING:  # preempted while making room for an earlier one
@@ -118,6 +140,7 @@ class Scheduler:
             if request.drafts and not self.reserve(request, 1 + len(request.drafts)):
                 request.drafts, request.draft_logits = [], None  # speculation never preempts anyone
             while not self.reserve(request, 1):
+                self._short_of_pages = True
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
@@ -146,12 +169,13 @@ class Scheduler:
             request.slot = slot
             if self.prefix_cache is not None:
                 request.hashes, request.pages, request.restore_from = self.prefix_cache.lookup(request.cache_tokens)
-                request.computed = len(request.pages) * self.page_size
+                request.computed = request.num_cached_tokens = len(request.pages) * self.page_size
             chunk = self._chunk(request, budget)
             if not chunk:
                 self._release(request)
                 break
             self.waiting.popleft()
+            self.num_computed_prompt_tokens += max(len(request.prompt) - request.computed, 0)
             request.status = Status.RUNNING
             self.running.append(request)
             prefill.append((request, chunk))
@@ -161,7 +185,10 @@ class Scheduler:
         return StepPlan(decode, prefill)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Ends a request (done, stopped or cancelled) and frees its pages and slot at once."""
+        """Ends a request (done, stopped or cancelled) and frees its pages and slot at once; a session's
+        request pins its cached prefix first (not after an error: its state is suspect)."""
+        if request.session is not None and self.sessions is not None and reason != "error":
+            self.sessions.pin(request.session, request.hashes)
         if request.status is Status.RUNNING:
             self.running.remove(request)
         elif request.status is Status.WAITING:
@@ -185,12 +212,20 @@ class Scheduler:
                 cache.insert(h, page)
             request.hashes += hashes
         boundary = self.snapshot_boundary(request)
-        if boundary and request.computed == boundary and cache.wants_snapshot(request.hashes[boundary // self.page_size - 1]):
-            slot = self.allocator.allocate_slot()
-            if slot is not None:
-                cache.set_snapshot(request.hashes[boundary // self.page_size - 1], slot)
-                return request.slot, slot
-        return None
+        # a session's request snapshots every page boundary: its pin then ends at its last full page
+        trailing = request.session is not None and request.computed % self.page_size == 0 \
+            and request.computed != boundary
+        if not request.computed or not (trailing or request.computed == boundary):
+            return None
+        h = request.hashes[request.computed // self.page_size - 1]
+        if not cache.wants_snapshot(h) or (slot := self.allocator.allocate_slot()) is None:
+            return None
+        cache.set_snapshot(h, slot)
+        if trailing:  # only the latest of these is worth a slot: the previous one is a prefix of it
+            if request.trail is not None and (previous := cache.drop_snapshot(request.trail)) is not None:
+                self.allocator.free([], previous)
+            request.trail = h
+        return request.slot, slot
 
     def keep_snapshot(self, request: Request, boundary: int, slot: int) -> None:
         """A KDA state taken at a page boundary inside a speculative window (in `slot`): kept as that
@@ -212,8 +247,10 @@ class Scheduler:
         if self.whole_chunks:
             whole = min(request.pending, self.max_prefill_chunk)
             return whole if chunk == whole and self.reserve(request, whole) else 0
+        wanted = chunk
         while chunk > 0 and not self.reserve(request, chunk):
             chunk = min(chunk - 1, self._fits(request))
+        self._short_of_pages |= wanted > 0 >= chunk
         return max(chunk, 0)
 
     def _encoder_fit(self, request: Request, chunk: int) -> int:
@@ -249,6 +286,7 @@ class Scheduler:
         """Frees (or hands back to the prefix cache) everything the request holds."""
         self.allocator.free(request.pages, request.slot)
         request.pages, request.slot, request.computed, request.hashes, request.restore_from = [], None, 0, [], None
+        request.trail = None
         request.drafts, request.draft_logits = [], None
 
     def preempt(self, request: Request, *, suspect: bool = False) -> None:
