@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=sorted(KV_CACHE_DTYPES))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching)
+    parser.add_argument("--session-cache-bytes", type=int, help="cache bytes the pins of agent sessions "
+                        "(prompt_cache_key) may hold; default a quarter of the cache, 0 turns sessions off")
+    parser.add_argument("--session-ttl", type=float, default=defaults.session_ttl,
+                        help="seconds a session's prefix stays pinned after its last request")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=defaults.async_scheduling,
                         help="dispatch a steady decode batch's next step before this one's tokens reach the host")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -98,7 +102,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                          speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
-                         async_scheduling=args.async_scheduling)
+                         async_scheduling=args.async_scheduling, session_cache_bytes=args.session_cache_bytes,
+                         session_ttl=args.session_ttl)
 
 
 def _positive(text: str) -> int:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serve.chat.parsing import FORMAT_TOKENS
 from serve.sampling import MAX_LOGPROBS, SamplingParams
+from serve.sessions import MAX_KEY_CHARS, SessionParams
 from serve.structured import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 64  # each costs a search per token
@@ -102,6 +103,8 @@ class SamplingRequest(Strict):
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's: the prompt tokens' logprobs and this many alternatives (-1: the whole vocabulary).
     prompt_logprobs: int | None = None
+    # OpenAI's: the agent session (conversation) whose prefix the cache keeps pinned between turns
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_KEY_CHARS)
     # Accepted by OpenAI or vLLM but not served here: refused when set, rather than silently ignored.
     UNSUPPORTED: ClassVar[tuple] = ()  # (field, its value when unused)
 
@@ -133,11 +136,11 @@ class SamplingRequest(Strict):
     def sampling_params(self, choice: int, *, max_tokens: int | None, logprobs: int | None,
                         structured: StructuredOutputsParams | None, keep_special_tokens=()) -> SamplingParams:
         """The params of one choice. With a seed, choice i samples with seed + i: the n choices of a
-        seeded request differ from each other and are reproducible."""
+        seeded request differ from each other and are reproducible. They carry the prompt_cache_key."""
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
-        return SamplingParams(
+        return SessionParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=None if self.seed is None else self.seed + choice,
@@ -145,7 +148,8 @@ class SamplingRequest(Strict):
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, keep_special_tokens=keep_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self._logit_bias(), structured_outputs=structured)
+            logit_bias=self._logit_bias(), structured_outputs=structured,
+            prompt_cache_key=self.prompt_cache_key)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:

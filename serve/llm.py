@@ -57,7 +57,8 @@ class LLM:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a dict {"prompt" (text) or "prompt_token_ids",
         "multi_modal_data": {"image": images}} (vLLM's form), or a list of these. Returns one output per
-        prompt, in order."""
+        prompt, in order. An agent's turns sent with `serve.sessions.SessionParams(prompt_cache_key=...)`
+        (an engine with prefix caching) keep their conversation's prefix cached between turns."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
