@@ -26,6 +26,7 @@ BENCHMARKS = (
     "tiny_decode",
     "engine_throughput",
     "batch_invariant",
+    "sampling_noise",
     "structured_overhead",
     "grammar_compile_stall",
     "image_prefill",

@@ -495,8 +495,27 @@ def _kept(scaled, params, delta):
 def _gumbel_row(seed: int, num_generated: int, vocab: int) -> np.ndarray:
     batch = sampling.SamplingBatch.from_params([sampling.SamplingParams(temperature=1.0, seed=seed)], 1,
                                                num_generated=[num_generated], request_ids=[0])
-    key = sampling.row_keys(batch)[0]
-    return np.asarray(jax.random.gumbel(key, (vocab,), jnp.float32), np.float64)
+    key_words = np.asarray(jax.random.key_data(sampling.row_keys(batch)[0]))
+    return gumbel_noise_reference(key_words, vocab)
+
+
+def gumbel_noise_reference(key_words: np.ndarray, vocab: int) -> np.ndarray:
+    """float64 [vocab]: k3jax.sampling_noise's noise under uint32 key words [2], written in NumPy from
+    its description (triple32(triple32(i + k0) ^ k1), top 23 bits, -log(-log(u)))."""
+    def triple32(x):
+        x = x ^ (x >> np.uint32(17))
+        x = x * np.uint32(0xED5AD4BB)
+        x = x ^ (x >> np.uint32(11))
+        x = x * np.uint32(0xAC4C1B51)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x31848BAB)
+        return x ^ (x >> np.uint32(14))
+
+    k0, k1 = (np.uint32(w) for w in key_words)
+    with np.errstate(over="ignore"):
+        bits = triple32(triple32(np.arange(vocab, dtype=np.uint32) + k0) ^ k1)
+    u = ((bits >> np.uint32(9)).astype(np.float64) + 0.5) / 2.0 ** 23
+    return -np.log(-np.log(u))
 
 
 def _gumbel(params, num_generated: int, vocab: int) -> np.ndarray:

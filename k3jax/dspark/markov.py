@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.sampling_noise import gumbel_noise
+
 
 @functools.partial(jax.jit, static_argnames="greedy_only")
 def markov_sample(base, bonus, markov_w1, markov_w2, logit_scale, temperature, keys, *, greedy_only: bool):
@@ -29,8 +31,7 @@ def markov_sample(base, bonus, markov_w1, markov_w2, logit_scale, temperature, k
         logits = base_j + logit_scale * jnp.dot(w1[prev], w2.T, preferred_element_type=jnp.float32)
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if not greedy_only:
-            gumbel = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, j), logits.shape[-1:],
-                                                            jnp.float32))(keys)
+            gumbel = jax.vmap(lambda key: gumbel_noise(jax.random.fold_in(key, j), logits.shape[-1]))(keys)
             drawn = jnp.argmax(logits / safe_temperature + gumbel, axis=-1).astype(jnp.int32)
             token = jnp.where(sampled_row, drawn, token)
         return token, (token, logits)
