@@ -14,7 +14,8 @@ from jax.sharding import Mesh
 
 from k3jax.config import K3Config, fixed_router_bias
 from k3jax.decoder import DecodeState, K3Transformer, init_cache
-from k3jax.placement import cache_shardings, check_mesh, place_params, put
+from k3jax.placement import cache_shardings, check_mesh, place_params, put, split_routed_experts
+from pallas_kernels import moe as moe_ops
 from sharding.mesh import as_mesh, data_size, rows_sharding
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -102,6 +103,8 @@ class K3Model:
         if mesh is not None:
             check_mesh(config, mesh)
             params = place_params(params, mesh)
+        elif moe_ops.wants_split_experts():
+            params = split_routed_experts(params)
         self.params = params
 
     @classmethod

@@ -3,6 +3,8 @@ mapped through the one table in `sharding.axes`."""
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 from flax import nnx
@@ -12,6 +14,7 @@ from k3jax.config import K3Config
 from k3jax.decoder import DecodeState
 from k3jax.layers.kda import KDACache
 from k3jax.layers.mla import MLACache, MLAPages
+from pallas_kernels.moe import SPLIT_MIN_BYTES, SplitExperts, split_experts
 from sharding.axes import named_sharding
 from sharding.mesh import DATA, MODEL
 
@@ -52,6 +55,26 @@ def place_params(params: nnx.State, mesh: Mesh) -> nnx.State:
         return v.replace(put(value, sharding))
 
     return jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def split_routed_experts(params: nnx.State, min_bytes: int = SPLIT_MIN_BYTES) -> nnx.State:
+    """The routed experts' stacked [E, out, in] weights as SplitExperts, one buffer per expert, where
+    one expert's matrix holds at least `min_bytes` (MXFP4: codes and scales together): the layout the
+    XLA expert loop reads in place on CPU (pallas_kernels/moe/split_experts.py, which measured where
+    splitting starts to pay)."""
+    flat = nnx.to_flat_state(params)
+    routed = {("experts", w) for w in ("w1", "w2", "w3")}  # RoutedExperts' weights: arrays, or MXFP4's two
+
+    def weight(path):  # the routed weight an array belongs to (MXFP4's codes and scales one level down), or None
+        return next((tuple(path[:i]) for i in (len(path), len(path) - 1) if tuple(path[i - 2:i]) in routed), None)
+
+    expert_bytes = collections.Counter()
+    for path, v in flat:
+        value = v.get_value()
+        if weight(path) and not isinstance(value, SplitExperts):
+            expert_bytes[weight(path)] += value.nbytes // value.shape[0]
+    return nnx.from_flat_state([(path, v.replace(split_experts(v.get_value()))
+                                 if expert_bytes[weight(path)] >= max(min_bytes, 1) else v) for path, v in flat])
 
 
 def put(value, sharding):

@@ -14,7 +14,7 @@ from k3jax.config import K3Config
 from k3jax.layers.common import Linear, RMSNorm, param
 from pallas_kernels import moe as moe_ops
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.moe import Mxfp4Tensor
+from pallas_kernels.moe import Mxfp4Tensor, SplitExperts
 from pallas_kernels.moe import xla as moe_xla
 from pallas_kernels.mxfp4_format import GROUP, random_scale_byte
 from sharding.expert_parallel import context_mesh, expert_parallel_moe
@@ -104,7 +104,14 @@ def _expert_weight(cfg, shape, axes, dtype, rngs):
 
 
 def _value(w):
-    return Mxfp4Tensor(w.packed[...], w.scales[...]) if isinstance(w, Mxfp4Tensor) else w[...]
+    """The weight for the expert op: an array, an Mxfp4Tensor, or SplitExperts of either (K3Model
+    splits the stacks on CPU: k3jax.placement.split_routed_experts)."""
+    if not isinstance(w, Mxfp4Tensor):
+        return w.get_value()
+    packed, scales = w.packed.get_value(), w.scales.get_value()
+    if isinstance(packed, SplitExperts):
+        return SplitExperts(tuple(map(Mxfp4Tensor, packed.experts, scales.experts)))
+    return Mxfp4Tensor(packed, scales)
 
 
 class MoE(nnx.Module):

@@ -1,7 +1,8 @@
 """Routed-expert FFN ops (ARCHITECTURE.md, "Kernels" and "MXFP4").
 
 Expert weights are [E, out, in] in the checkpoint's orientation, each either an `Mxfp4Tensor` (K3)
-or a plain array (Kimi Linear): w_gate and w_up [E, F, D], w_down [E, D, F]. Matmuls accumulate in
+or a plain array (Kimi Linear): w_gate and w_up [E, F, D], w_down [E, D, F]; or `SplitExperts` of
+those (one buffer per expert, the CPU layout: XLA only). Matmuls accumulate in
 fp32 on weights decoded to the activation dtype; the activation runs in fp32 and is cast to the
 activation dtype before the down projection (ARCHITECTURE.md, "MoE and LatentMoE").
 
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.moe import pallas_triton, reference, xla
+from pallas_kernels.moe.split_experts import SplitExperts, stacked
 
 def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto",
                **tuning):
@@ -35,8 +38,8 @@ def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation: Gated
                          "one size per expert")
     if x_sorted.shape[0] == 0:  # static; the implementations assume at least one row
         return jnp.zeros_like(x_sorted)
-    return _implementation(impl, "expert_ffn", tuning)(x_sorted, group_sizes, w_gate, w_up, w_down,
-                                                       activation=activation)
+    return _implementation(impl, "expert_ffn", tuning, w_gate)(x_sorted, group_sizes, w_gate, w_up, w_down,
+                                                                activation=activation)
 
 
 def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: GatedActivation, impl: str = "auto",
@@ -53,17 +56,27 @@ def moe_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, activation: Gate
         raise ValueError(f"topk_ids must be integer expert ids, got {topk_ids.dtype}")
     if x.shape[0] == 0 or topk_ids.shape[1] == 0:  # static; the implementations assume some rows
         return jnp.zeros(x.shape, jnp.float32)
-    return _implementation(impl, "moe_ffn", tuning)(x, topk_ids, topk_weights, w_gate, w_up, w_down,
-                                                    activation=activation)
+    return _implementation(impl, "moe_ffn", tuning, w_gate)(x, topk_ids, topk_weights, w_gate, w_up, w_down,
+                                                             activation=activation)
 
 
-def _implementation(impl: str, op: str, tuning: dict):
+def wants_split_experts() -> bool:
+    """Whether a model without a mesh should hold its routed experts as SplitExperts: where "auto"
+    runs the XLA expert loop (CPU), whose dots then read each expert in place."""
+    return jax.default_backend() == "cpu" and dispatch.resolve("auto", True, "") == "xla"
+
+
+def _implementation(impl: str, op: str, tuning: dict, w_gate):
     """Under a mesh the routed experts already run inside sharding.expert_parallel's shard_map, so
     the kernel needs no wrapping of its own."""
-    impl = dispatch.resolve(impl, True, "")
+    split = isinstance(w_gate, SplitExperts)
+    impl = dispatch.resolve(impl, not split, "SplitExperts weights (one buffer per expert)")
     if impl == "pallas":
         return functools.partial(getattr(pallas_triton, op), interpret=not dispatch.on_gpu(), **tuning)
-    return getattr({"xla": xla, "reference": reference}[impl], op)
+    if impl == "reference":
+        return lambda *args, activation: getattr(reference, op)(*args[:-3], *map(stacked, args[-3:]),
+                                                                activation=activation)
+    return getattr(xla, op)
 
 
 def _check_weights(x, w_gate, w_up, w_down):

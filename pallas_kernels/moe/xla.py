@@ -10,14 +10,20 @@ Two strategies for the grouped matmuls:
 - "ragged_dot" (other backends): `lax.ragged_dot`, lowered to the native ragged-dot instruction on
   GPU and TPU (not measured here). With fewer rows than experts (decode) only the experts in use
   are gathered and dequantized.
+
+Weights held as `SplitExperts` (one buffer per expert, the CPU layout) run the loop unrolled over
+the experts instead, each reading its own buffer in place; an expert without rows runs no tile.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.mxfp4 import Mxfp4Tensor, dequantize
+from pallas_kernels.moe.split_experts import SplitExperts
 
 _CONTRACT_LAST = (((1,), (1,)), ((), ()))  # x [rows, in] . w [out, in] -> [rows, out]
 
@@ -28,6 +34,10 @@ def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, strat
     if strategy not in ("loop", "ragged_dot"):
         raise ValueError(f"unknown grouped-matmul strategy {strategy!r}; expected 'loop' or 'ragged_dot'")
     group_sizes = group_sizes.astype(jnp.int32)
+    if isinstance(w_gate, SplitExperts):
+        if strategy != "loop":
+            raise ValueError("SplitExperts weights run the 'loop' strategy only; stack them for 'ragged_dot'")
+        return _split_loop_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, activation).astype(x_sorted.dtype)
     run = _loop_ffn if strategy == "loop" else _ragged_ffn
     return run(x_sorted, group_sizes, w_gate, w_up, w_down, activation).astype(x_sorted.dtype)
 
@@ -88,29 +98,47 @@ def _loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
     m, num_experts = x_MD.shape[0], group_sizes.shape[0]
     tile = _tile_rows(m, num_experts)
     ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
     (active,) = jnp.nonzero(group_sizes > 0, size=min(m, num_experts), fill_value=0)  # <= m non-empty
     num_active = jnp.count_nonzero(group_sizes)
 
     def one_expert(i, out):
         e = active[i]
-        w_gate_FD, w_up_FD, w_down_DF = (_dense(_take(w, e), x_MD.dtype) for w in (w_gate, w_up, w_down))
-        start, end = starts[e], ends[e]
-
-        def one_tile(j, out):
-            first = start + j * tile
-            at = jnp.minimum(first, m - tile)  # the last tile slides back to stay inside x
-            rows = at + jnp.arange(tile)
-            x_tile_D = jax.lax.dynamic_slice_in_dim(x_MD, at, tile)
-            gate_F = jax.lax.dot_general(x_tile_D, w_gate_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-            up_F = jax.lax.dot_general(x_tile_D, w_up_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-            hidden_F = activation(gate_F, up_F).astype(x_MD.dtype)
-            y = jax.lax.dot_general(hidden_F, w_down_DF, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-            y = y.astype(x_MD.dtype)  # [tile, D]
-            mine = ((rows >= first) & (rows < end))[:, None]  # leave other groups' rows untouched
-            y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, at, tile))
-            return jax.lax.dynamic_update_slice_in_dim(out, y, at, axis=0)
-
-        return jax.lax.fori_loop(0, (end - start + tile - 1) // tile, one_tile, out)
+        weights = (_dense(_take(w, e), x_MD.dtype) for w in (w_gate, w_up, w_down))
+        return _expert_rows(x_MD, out, ends[e] - group_sizes[e], ends[e], tile, *weights, activation)
 
     return jax.lax.fori_loop(0, num_active, one_expert, jnp.zeros_like(x_MD))  # padding rows stay 0
+
+
+def _split_loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
+    m, num_experts = x_MD.shape[0], group_sizes.shape[0]
+    tile = _tile_rows(m, num_experts)
+    ends = jnp.cumsum(group_sizes)
+    def one_expert(e, out):
+        weights = (_dense(w.experts[e], x_MD.dtype) for w in (w_gate, w_up, w_down))
+        return _expert_rows(x_MD, out, ends[e] - group_sizes[e], ends[e], tile, *weights, activation)
+
+    out = jnp.zeros_like(x_MD)  # padding rows stay 0
+    for e in range(num_experts):  # an expert without rows skips its dequantization too
+        out = jax.lax.cond(group_sizes[e] > 0, functools.partial(one_expert, e), lambda out: out, out)
+    return out
+
+
+def _expert_rows(x_MD, out_MD, start, end, tile, w_gate_FD, w_up_FD, w_down_DF, activation):
+    """out_MD with its rows [start, end) set to one expert's FFN of x_MD's, run in `tile`-row tiles."""
+    m = x_MD.shape[0]
+
+    def one_tile(j, out):
+        first = start + j * tile
+        at = jnp.minimum(first, m - tile)  # the last tile slides back to stay inside x
+        rows = at + jnp.arange(tile)
+        x_tile_D = jax.lax.dynamic_slice_in_dim(x_MD, at, tile)
+        gate_F = jax.lax.dot_general(x_tile_D, w_gate_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+        up_F = jax.lax.dot_general(x_tile_D, w_up_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+        hidden_F = activation(gate_F, up_F).astype(x_MD.dtype)
+        y = jax.lax.dot_general(hidden_F, w_down_DF, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+        y = y.astype(x_MD.dtype)  # [tile, D]
+        mine = ((rows >= first) & (rows < end))[:, None]  # leave other groups' rows untouched
+        y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, at, tile))
+        return jax.lax.dynamic_update_slice_in_dim(out, y, at, axis=0)
+
+    return jax.lax.fori_loop(0, (end - start + tile - 1) // tile, one_tile, out_MD)

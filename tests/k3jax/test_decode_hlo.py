@@ -21,6 +21,7 @@ from k3jax.config import K3Config
 from k3jax.hlo import materialised_buffers
 from k3jax.decoder import init_pools
 from k3jax.model import K3Model, _extend
+from k3jax.placement import split_routed_experts
 from serve.runner import _step
 from tests.k3jax.tiny_configs import KIMI_LINEAR_TINY, k3_tiny_dict
 
@@ -123,3 +124,18 @@ def test_engine_decode_step_copies_no_slot_pool(model, rows):
     text = _step.lower(model.structure, model.params, pools, ints(rows, 1), jnp.ones((rows,), jnp.int32),
                        ints(rows), ints(rows) + 1, ints(rows, 4), None).compile().as_text()
     assert not [b for b in materialised_buffers(text) if b.bytes >= slot_pool_bytes]
+
+
+def test_split_experts_decode_step_copies_no_expert():
+    """With one buffer per expert (K3Model's CPU layout of large experts) the decode step
+    materialises nothing the size of an expert's matrix; the stacked layout copies each expert it
+    uses out of the stack, so this check can fail."""
+    model = K3Model.random(wide_kimi_linear(), dtype="float32", seed=0)  # plain fp32 experts, below the threshold
+
+    def expert_sized(params):
+        text = _extend.lower(model.structure, params, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                             model.init_cache(1, 64)).compile().as_text()
+        return [b for b in materialised_buffers(text) if b.bytes >= expert_matrix_bytes(model.config)]
+
+    assert expert_sized(model.params)
+    assert not expert_sized(split_routed_experts(model.params, min_bytes=0))

@@ -7,15 +7,16 @@ import numpy as np
 import pytest
 
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.moe import Mxfp4Tensor, expert_ffn, moe_ffn, xla
+from pallas_kernels.moe import Mxfp4Tensor, expert_ffn, moe_ffn, split_experts, stacked, xla
 from tests.convert.test_mxfp4 import np_decode
 
 E, F, D = 8, 32, 64
 SITU = GatedActivation("situ", 4.0, 25.0)
 SILU = GatedActivation("silu")
 DTYPES = {"f32": (jnp.float32, np.float32), "bf16": (jnp.bfloat16, ml_dtypes.bfloat16)}
-# "loop" and "ragged_dot" are the two grouped-matmul strategies of impl="xla" (CPU uses "loop").
-IMPLS = ["loop", "ragged_dot", "reference"]
+# "loop" and "ragged_dot" are the two grouped-matmul strategies of impl="xla" (CPU uses "loop");
+# "split" is the loop over SplitExperts weights (one buffer per expert, large experts on CPU).
+IMPLS = ["loop", "split", "ragged_dot", "reference"]
 
 # Tolerances relative to the largest |output|. f32: fp32 sums of <= 64 products, a few 2**-24
 # roundings each. bf16: the hidden activation and each expert's output are rounded to bf16 (half
@@ -71,12 +72,16 @@ def inputs(dtype, rows, seed):
 def run_expert_ffn(impl, *args, activation):
     if impl == "reference":
         return expert_ffn(*args, activation=activation, impl="reference")
+    if impl == "split":
+        return xla.expert_ffn(*args[:-3], *map(split_experts, args[-3:]), activation=activation)
     return xla.expert_ffn(*args, activation=activation, strategy=impl)
 
 
 def run_moe_ffn(impl, *args, activation):
     if impl == "reference":
         return moe_ffn(*args, activation=activation, impl="reference")
+    if impl == "split":
+        return xla.moe_ffn(*args[:-3], *map(split_experts, args[-3:]), activation=activation)
     return xla.moe_ffn(*args, activation=activation, strategy=impl)
 
 
@@ -90,7 +95,7 @@ ALL_COMBOS = MAIN_COMBOS + [("mxfp4", "f32"), ("plain", "bf16")]
 
 
 # The weight kind and dtype handling is shared by the strategies: all combinations on the CPU default.
-@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in IMPLS for c in (ALL_COMBOS if i == "loop" else
+@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in IMPLS for c in (ALL_COMBOS if i in ("loop", "split") else
                                                                                   MAIN_COMBOS)])
 def test_moe_ffn_matches_numpy(impl, wkind, dtype):
     ws = weights(wkind)
@@ -144,6 +149,27 @@ def test_xla_matches_reference_through_the_public_api():
     got = f(x, ids, wts, *ws, activation=SITU, impl="auto")
     want = f(x, ids, wts, *ws, activation=SITU, impl="reference")
     assert_close(got, np.asarray(want, np.float64), "bf16")
+
+
+def test_split_experts_through_the_public_api():
+    """SplitExperts weights: "auto" runs the XLA loop, the reference stacks them, Pallas refuses them,
+    and splitting then stacking gives back the very arrays."""
+    ws = weights("mxfp4", seed=5)
+    split = [split_experts(w) for w in ws]
+    for w, s in zip(ws, split):
+        assert s.shape == w.shape and len(s.experts) == E
+        for a, b in zip(jax.tree.leaves(stacked(s)), jax.tree.leaves(w)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x, _ = inputs("bf16", 6, 5)
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, E, (6, 2)), jnp.int32)
+    wts = jnp.asarray(np.random.default_rng(6).uniform(0, 1, (6, 2)), jnp.float32)
+    want = moe_ffn(x, ids, wts, *ws, activation=SITU, impl="reference")
+    for impl in ("auto", "reference"):
+        assert_close(moe_ffn(x, ids, wts, *split, activation=SITU, impl=impl), np.asarray(want, np.float64), "bf16")
+    with pytest.raises(ValueError, match="SplitExperts"):
+        moe_ffn(x, ids, wts, *split, activation=SITU, impl="pallas")
+    with pytest.raises(ValueError, match="SplitExperts"):
+        xla.moe_ffn(x, ids, wts, *split, activation=SITU, strategy="ragged_dot")
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])
