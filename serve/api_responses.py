@@ -64,12 +64,12 @@ from serve.api_responses_store import ResponseStore
 from serve.async_engine import AsyncEngine
 from serve.chat import parse_output
 from serve.engine import RequestOutput
+from serve.multimodal import IMAGE_DETAILS
 from serve.sampling import MAX_LOGPROBS
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` item served
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "reasoning_text", "summary_text")
-IMAGE_DETAILS = ("auto", "high")  # what reading an image at its full size (up to the processor's max_pixels) honours
 # An assistant turn's parts in the order K3 writes them; an item that cannot follow the turn's last
 # part starts a new turn.
 TURN_ORDER = {"reasoning": 0, "message": 1, "function_call": 2}

@@ -27,8 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from serve import api_checks, multimodal
+from serve import api_checks
 from serve.api_anthropic import add_messages_routes
+from serve.api_chat_bridge import chat_inputs
 from serve.api_checks import FieldError
 from serve.api_common import (APIError, ServerConfig, bad_request, check_model, error_response, forced_outputs,
                               forced_tokens, submit, unless_disconnected)
@@ -88,11 +89,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             num_prompt_logprobs = body.num_prompt_logprobs()
             forced = forced_tokens(body, tokenizer)
             prompt = await api_checks.chat_prompt_ids(tokenizer, body.messages, engine.max_model_len, **options)
-            vision = engine.engine.model.vision  # image parts: a 400 naming the part unless the model has a tower
-            inputs = await asyncio.to_thread(multimodal.chat_prompt, prompt, body.messages, tokenizer,
-                                             None if vision is None else vision.processor,
-                                             allowed_local_media_path=config.allowed_local_media_path,
-                                             limit=config.limit_mm_per_prompt)
+            inputs = await asyncio.to_thread(chat_inputs, prompt, body.messages, engine, config)
             if num_prompt_logprobs is not None and inputs is not prompt:  # the scoring forward reads no images
                 raise FieldError("prompt_logprobs", "prompt_logprobs: not served for prompts with images")
         if forced is not None:

@@ -143,6 +143,7 @@ def expand_images(ids: list[int], images: list[ImageInput], tokenizer) -> Multim
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil")  # what serve/chat/encoding.py renders as a placeholder
 DEFAULT_IMAGE_LIMIT = 999  # images per prompt: vLLM V1's default for --limit-mm-per-prompt
+IMAGE_DETAILS = ("auto", "high")  # what reading an image at its full size (up to the processor's max_pixels) honours
 
 
 def chat_images(messages: list, processor: ImageProcessorConfig | None, *, allowed_local_media_path: str | None = None,
@@ -166,9 +167,13 @@ def chat_images(messages: list, processor: ImageProcessorConfig | None, *, allow
                 images.append(load_image(part.get("image_pil"), processor, field=field))
                 continue
             url = part.get("image_url")
+            detail = url.get("detail", "auto") if isinstance(url, dict) else "auto"
             url = url.get("url") if isinstance(url, dict) else url
             if kind != "image_url" or not isinstance(url, str):
                 raise ValueError(f"{field}: an image part is {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}")
+            if detail not in IMAGE_DETAILS:
+                raise ValueError(f"{field}.image_url.detail: {detail!r} is not supported by this server (one of "
+                                 f"{', '.join(IMAGE_DETAILS)}: images are read at full detail)")
             data = image_bytes(url, field=field, allowed_local_media_path=allowed_local_media_path)
             images.append(load_image(data, processor, field=field))
     return images

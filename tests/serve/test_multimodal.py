@@ -150,3 +150,21 @@ def test_images_pair_with_placeholders_in_the_order_the_prompt_renders(tokenizer
     ids = tokenize_messages(tokenizer, messages, thinking=False)
     prompt = chat_prompt(ids, messages, tokenizer, PROCESSOR)
     assert [s.image.prepared.size for s in prompt.spans] == [(28, 28), (56, 28)]  # c0's image first
+
+
+def test_image_detail_low_is_refused_and_auto_or_high_read_in_full(tokenizer):
+    """Images are always read at full size, so detail "low" cannot be honoured: a 400-worthy error
+    naming the field; "auto" and "high" give the same prompt as no detail."""
+    from serve.multimodal import chat_prompt
+
+    def prompt_with(image_url):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                                 {"type": "image_url", "image_url": image_url}]}]
+        return chat_prompt(tokenize_messages(tokenizer, messages, thinking=False), messages, tokenizer, PROCESSOR)
+
+    url = data_url(png(56, 28))
+    plain = prompt_with({"url": url})
+    for detail in ("auto", "high"):
+        assert prompt_with({"url": url, "detail": detail}).ids == plain.ids
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]\.image_url\.detail: 'low'"):
+        prompt_with({"url": url, "detail": "low"})
