@@ -2,7 +2,9 @@
 
 patches [N, 3*14*14] -> linear patch embedding + the learnable position table resized to the grid
 -> blocks (pre-norm; fused qkv with 2-D RoPE; GELU-tanh MLP) -> final norm -> 2x2 merge -> projector
--> one text-width vector per merged token. One image at a time: attention is full within an image.
+-> one text-width vector per merged token. One image at a time: attention is full within an image,
+computed over blocks of keys with an online softmax (`attention`), so a full-size image's 16384
+patches never hold a [heads, N, N] score matrix.
 
 Everything that depends on the image's grid (which position-table entries each patch mixes, its RoPE
 angles, the order of the 2x2 merge windows) is computed on the host (`patch_layout`) and passed in as
@@ -29,6 +31,9 @@ from k3jax.vision.config import LAYERNORM, PATCHMERGER_V2, VisionConfig
 
 # One logical axis for every dimension: the table (sharding.axes) replicates the tower.
 _AXES = ("vision", "vision")
+# Keys per attention block: an image of up to this many patches (448 x 448 px is 1024) attends in one
+# block, as full attention; a full-size one (16384) in 16, with [heads, N, 1024] scores at a time.
+ATTENTION_BLOCK = 1024
 
 
 class BiasLinear(nnx.Module):
@@ -74,16 +79,45 @@ class VisionBlock(nnx.Module):
         self.fc0 = BiasLinear(d, cfg.intermediate_size, cfg.linear_bias, dtype=dtype, rngs=rngs)
         self.fc1 = BiasLinear(cfg.intermediate_size, d, cfg.linear_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_nd, cos_nr, sin_nr, valid_n):
+    def __call__(self, x_nd, cos_nr, sin_nr, valid_n, *, attention_block: int = ATTENTION_BLOCK):
         n, heads, hd = x_nd.shape[0], self.cfg.num_heads, self.cfg.head_dim
         qkv = self.wqkv(self.norm0(x_nd)).reshape(n, 3, heads, hd)
         q, k = (_rope(qkv[:, i], cos_nr, sin_nr) for i in (0, 1))
-        v = qkv[:, 2].astype(jnp.float32)
-        scores = jnp.where(valid_n, jnp.einsum("qhd,khd->hqk", q, k) * hd ** -0.5, -jnp.inf)  # padding keys out
-        out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+        out = attention(q, k, qkv[:, 2].astype(jnp.float32), valid_n, block_size=attention_block)
         x_nd = x_nd + self.wo(out.reshape(n, heads * hd).astype(x_nd.dtype))
         hidden = jax.nn.gelu(self.fc0(self.norm1(x_nd)).astype(jnp.float32), approximate=True)
         return x_nd + self.fc1(hidden.astype(x_nd.dtype))
+
+
+def attention(q_nhd, k_nhd, v_nhd, valid_n, *, block_size: int = ATTENTION_BLOCK):
+    """Softmax attention of every row over the valid keys (fp32 [N, heads, head_dim] -> the same),
+    one block of `block_size` keys at a time with an online softmax (a running max and sum per query,
+    the partial output rescaled as the max grows): it holds [heads, N, block] scores, not [heads, N, N]
+    (16384 patches of a full-size image at K3's 12 heads: 12 GiB in fp32)."""
+    n, heads, hd = q_nhd.shape
+    block = min(block_size, n)
+    blocks = -(-n // block)
+    pad = blocks * block - n  # the last block's tail: keys masked out like the image's padding
+
+    def split(x):
+        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(blocks, block, *x.shape[1:])
+
+    def step(carry, kv):
+        top, total, acc = carry  # running max and sum [heads, N], unnormalised output [N, heads, hd]
+        k, v, ok = kv
+        scores = jnp.where(ok, jnp.einsum("qhd,khd->hqk", q_nhd, k) * hd ** -0.5, -jnp.inf)
+        new_top = jnp.maximum(top, scores.max(-1))
+        base = jnp.where(jnp.isfinite(new_top), new_top, 0.0)  # no valid key yet: nothing to rescale
+        weights = jnp.exp(scores - base[..., None])
+        scale = jnp.exp(top - base)
+        total = total * scale + weights.sum(-1)
+        acc = acc * scale.T[..., None] + jnp.einsum("hqk,khd->qhd", weights, v)
+        return (new_top, total, acc), None
+
+    init = (jnp.full((heads, n), -jnp.inf, jnp.float32), jnp.zeros((heads, n), jnp.float32),
+            jnp.zeros((n, heads, hd), jnp.float32))
+    (_, total, acc), _ = jax.lax.scan(step, init, (split(k_nhd), split(v_nhd), split(valid_n)))
+    return acc / total.T[..., None]
 
 
 def _rope(x_nhd, cos_nr, sin_nr):
@@ -125,9 +159,10 @@ class VisionTower(nnx.Module):
         self.final_norm = Norm(d, cfg.norm_type, cfg.norm_eps, dtype=dtype)
         self.projector = Projector(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, pixel_values, layout: "PatchLayout"):
+    def __call__(self, pixel_values, layout: "PatchLayout", *, attention_block: int = ATTENTION_BLOCK):
         """pixel_values [N, 3, p, p]: an image's h*w patches (row-major over its grid), then padding to
-        N -> [N/4, text_hidden]: its h*w/4 merged tokens in order, then padding rows."""
+        N -> [N/4, text_hidden]: its h*w/4 merged tokens in order, then padding rows. Attention runs
+        over blocks of `attention_block` keys (`attention`)."""
         n = pixel_values.shape[0]
         dtype = self.patch_embed.kernel[...].dtype
         x = self.patch_embed(pixel_values.reshape(n, -1).astype(dtype))
@@ -137,7 +172,7 @@ class VisionTower(nnx.Module):
         pos = sum(layout.pos_weight[:, t, None] * table[layout.pos_index[:, t]] for t in range(layout.pos_index.shape[1]))
         x = x + pos.astype(x.dtype)
         for block in self.blocks:
-            x = block(x, layout.cos, layout.sin, layout.valid)
+            x = block(x, layout.cos, layout.sin, layout.valid, attention_block=attention_block)
         x = self.final_norm(x)
         windows = self.cfg.merge_kernel[0] * self.cfg.merge_kernel[1]
         return self.projector(x[layout.order].reshape(n // windows, windows, x.shape[-1]))

@@ -14,6 +14,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
@@ -24,6 +25,7 @@ from k3jax.presets import PRESETS
 from k3jax.vision.config import ImageProcessorConfig, VisionConfig, vision_config
 from k3jax.vision.encoder import VisionEncoder, encoder_from_arrays, load_vision_encoder
 from k3jax.vision.preprocess import PreparedImage, decode_image, num_image_tokens, prepare
+from k3jax.vision.tower import patch_bucket, patch_layout
 from sharding.mesh import make_mesh
 from tests.k3jax import moonvit_reference
 
@@ -128,6 +130,24 @@ def test_k3_tower_matches_numpy_reference(k3_tiny, grid):
     reference = moonvit_reference.features(tensors, vc, pixels, grid)
     assert features.shape == (grid[0] * grid[1] // 4, 64)
     assert rel_err(features, reference) < 1e-4
+
+
+def test_the_tower_at_a_small_attention_block_matches_the_reference(k3_tiny):
+    """120 patches in a bucket of 128, attended in blocks of 24: the image's keys end inside the fifth
+    block, and the sixth is padding alone."""
+    vcfg, tensors, encoder = k3_tiny
+    grid = (12, 10)
+    pixels = np.random.default_rng(4).uniform(-1, 1, (120, 3, 14, 14)).astype(np.float32)
+    rows = patch_bucket(120)
+    padded = np.zeros((rows, 3, 14, 14), np.float32)
+    padded[:120] = pixels
+    layout = patch_layout(vcfg, grid, rows)
+    tower = nnx.merge(encoder.graphdef, encoder.params)
+    features = np.asarray(tower(padded, layout, attention_block=24))[:30]
+    vc = dict(norm_type="rmsnorm", num_heads=vcfg.num_heads, interpolation="bilinear", rope_theta=1e4,
+              projector="patchmergerv2")
+    assert rel_err(features, moonvit_reference.features(tensors, vc, pixels, grid)) < 1e-4
+    assert rel_err(features, encoder.encode(PreparedImage(pixels, grid, (0, 0)))) < 1e-5  # one block of 1024
 
 
 def test_bf16_tower_tracks_fp32(k3_tiny):
