@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress line or summary on stderr")
     p.add_argument("--engine-options", default="{}",
                    help='generate: engine options as JSON, e.g. \'{"kv_cache_dtype": "fp8"}\'')
+    p.add_argument("--allowed-local-media-path", help="generate: a directory file:// image URLs in `messages` "
+                                                      "may read from (default: data: URLs only)")
     distributed.add_arguments(p)
     return p
 
@@ -60,7 +62,8 @@ def main(argv=None) -> dict:
 
     try:
         options = EvalOptions(args.task, args.batch_size, args.max_length, args.stride, sort=not args.no_sort,
-                              progress=not args.no_progress, engine_options=json.loads(args.engine_options))
+                              progress=not args.no_progress, engine_options=json.loads(args.engine_options),
+                              allowed_local_media_path=args.allowed_local_media_path)
     except ValueError as e:
         raise SystemExit(f"k3jax.eval: {e}") from None
     path = args.model or default_model_dir()

@@ -36,6 +36,7 @@ class EvalOptions:
     sort: bool = True  # length-sorted batching
     progress: bool = True
     engine_options: dict = dataclasses.field(default_factory=dict)  # generate: EngineOptions keywords
+    allowed_local_media_path: str | None = None  # generate: where file:// image URLs may point
 
     def __post_init__(self):
         if self.task not in TASKS:

@@ -33,6 +33,8 @@ class Request:
     id: str | int
     rows: list[Row] = dataclasses.field(default_factory=list)
     prompt: str | list[int] | None = None  # generate only
+    messages: list | None = None  # generate only, instead of prompt: a chat, rendered by the generate task
+    thinking: bool = True  # generate with messages: K3's thinking mode
     params: dict | None = None  # generate only: SamplingParams keywords
 
 
@@ -150,14 +152,28 @@ class Parser:
         elif "prompt" in obj:
             self._need_tokenizer("`prompt`")
             request.prompt = _text(obj, "prompt")
+        elif "messages" in obj:
+            self._need_tokenizer("`messages`")
+            if not isinstance(obj["messages"], list) or not obj["messages"] or \
+                    not all(isinstance(m, dict) for m in obj["messages"]):
+                raise BadLine("`messages` must be a non-empty list of chat messages (objects)")
+            if not isinstance(obj.get("thinking", True), bool):
+                raise BadLine("`thinking` must be true or false")
+            request.messages, request.thinking = obj["messages"], obj.get("thinking", True)
+            request.params = self._sampling_params(obj)
+            return
         else:
-            raise BadLine("needs `prompt` (text) or `prompt_ids`")
+            raise BadLine("needs `prompt` (text), `prompt_ids` or `messages` (a chat)")
         if not request.prompt:
             raise BadLine("empty prompt")
+        request.params = self._sampling_params(obj)
+
+    @staticmethod
+    def _sampling_params(obj: dict) -> dict:
         params = obj.get("sampling_params", {})
         if not isinstance(params, dict):
             raise BadLine("`sampling_params` must be a JSON object")
-        request.params = params
+        return params
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:

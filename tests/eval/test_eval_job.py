@@ -323,3 +323,64 @@ def test_two_processes_give_the_results_of_one(requests, single, cli_runs, setup
     two = check_generated(referee, prompts, root / "two_gen.jsonl")
     assert [(r["id"], r["line"], r.get("error")) for r in two] == \
         [(r["id"], r["line"], r.get("error")) for r in records(root / "one_gen.jsonl")]
+
+
+def test_generate_reads_chats_with_images(setup, tmp_path):
+    """`messages` lines are rendered in K3's chat format with their images expanded, as the server's
+    chat endpoint does: each line's greedy tokens are those of the decoder's full forward with the
+    image's pads embedded as the vision encoder's output (tests/serve/test_engine_images.py's
+    reference); a file:// image reads as its data: URL does; a bad image or a path outside
+    --allowed-local-media-path is that line's error, naming the part."""
+    from types import SimpleNamespace
+
+    from serve.chat.encoding import tokenize_messages
+    from tests.serve.test_engine_images import noise, png_url, reference_logits
+
+    root, _, model, tokenizer = setup
+    media = tmp_path / "media"
+    media.mkdir()
+    noise(7).save(media / "seven.png")
+
+    def chat(url):
+        return [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+
+    params = {"temperature": 0, "max_tokens": 3, "ignore_eos": True}
+    lines = [{"id": "a", "messages": chat(png_url(noise(7))), "thinking": False, "sampling_params": params},
+             {"id": "b", "messages": chat(png_url(noise(8))), "thinking": False, "sampling_params": params},
+             {"id": "file", "messages": chat(f"file://{media / 'seven.png'}"), "thinking": False,
+              "sampling_params": params},
+             {"id": "bad", "messages": chat("data:image/png;base64,bm90IGFuIGltYWdl"), "sampling_params": params},
+             {"id": "outside", "messages": chat(f"file://{root}/x.png"), "sampling_params": params}]
+    data, out = tmp_path / "chats.jsonl", tmp_path / "out.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    evaluate(model, tokenizer, str(data), str(out),
+             EvalOptions("generate", batch_size=4, max_length=128, progress=False, allowed_local_media_path=str(media)))
+    got = {r["id"]: r for r in records(out)}
+
+    shim = SimpleNamespace(model=model, engine=SimpleNamespace(tokenizer=tokenizer))
+    tol = 2 * 2.0 ** -11  # twice fp32's tolerance (tests/agreement.py), relative to the largest logit
+    checked = 0
+    for name, seed in (("a", 7), ("b", 8)):
+        prompt = tokenize_messages(tokenizer, lines[0]["messages"], thinking=False)  # its one placeholder
+        ids = [*chat_ids(tokenizer, model.vision.processor, chat(png_url(noise(seed)))), *got[name]["token_ids"][:-1]]
+        assert len(ids) > len(prompt) + 1  # the image took more than its placeholder
+        logits = reference_logits(shim, ids, [noise(seed)])[-3:]
+        for k, token in enumerate(got[name]["token_ids"]):
+            second, first = np.sort(logits[k])[-2:]
+            if first - second > tol * np.abs(logits).max():
+                assert token == int(np.argmax(logits[k])), (name, k)
+                checked += 1
+    assert checked >= 4
+    assert got["file"]["token_ids"] == got["a"]["token_ids"]
+    assert got["bad"]["error"].startswith("messages[0].content[1]: ")
+    assert "not under the allowed local media path" in got["outside"]["error"]
+
+
+
+def chat_ids(tokenizer, processor, messages) -> list[int]:
+    """The prompt the engine runs for a chat with images: rendered, each placeholder expanded."""
+    from serve.chat.encoding import tokenize_messages
+    from serve.multimodal import chat_prompt
+
+    return chat_prompt(tokenize_messages(tokenizer, messages, thinking=False), messages, tokenizer, processor).ids
