@@ -1,0 +1,76 @@
+"""Sequence-parallel prefill on 16 fake CPU devices: the KDA state pass against the float64 NumPy
+token loop, and `K3Model.prefill_sequence_parallel` against the unsplit prefill on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax.layers.kda import KDACache
+from k3jax.model import K3Model
+from pallas_kernels.kda import chunk_kda_sequence_parallel
+from pallas_kernels.kda import sequence_parallel as kda_sequence_parallel
+from sharding.mesh import DATA, make_mesh
+from tests.k3jax.tiny_configs import k3_tiny
+from tests.pallas_kernels.test_kda import FP32_REL, H, K, V, assert_close, inputs, numpy_kda
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 16, reason="needs the 16 fake CPU devices of tests/conftest.py")
+
+# 296 real tokens padded to 320, as the model pads a prompt to equal shards: 2 shards of 160 tokens
+# (3 chunks, the second shard 136 real), 4 of 80 (2 chunks, the last 56 real), 8 of 40 (1 chunk,
+# the last 16 real); the unsplit run has 5 chunks.
+REAL, PADDED = 296, 320
+
+
+def _split_kda(shards: int):
+    """The op under shard_map on a `data` axis of `shards` devices: [B, PADDED, ...] inputs split by
+    position, the initial state whole."""
+    mesh = make_mesh(f"1x{shards}")
+    split = P(None, DATA)
+
+    def body(q, k, v, g, beta, state):
+        return chunk_kda_sequence_parallel(q, k, v, g, beta, axis=DATA, initial_state=state, scale=K ** -0.5)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split,) * 5 + (P(),), out_specs=(split, P()),
+                                 check_vma=False))
+
+
+def _padded_inputs():
+    """Random q, k, v, g, beta over REAL tokens, then PADDED - REAL tokens of padding (g = beta = 0: no
+    decay, no write; q, k, v random, which must not matter), and a random initial state."""
+    q, k, v, g, beta = inputs(PADDED, seed=3)
+    g[:, REAL:], beta[:, REAL:] = 0.0, 0.0
+    state = np.random.default_rng(4).standard_normal((q.shape[0], H, K, V))
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_state_pass_matches_the_token_loop(shards):
+    """Every shard's outputs, and the final state, equal the float64 token loop over the whole
+    sequence from the initial state: each shard starts from the state the shards before it leave."""
+    q, k, v, g, beta, state = _padded_inputs()
+    o, final = _split_kda(shards)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, state)))
+    for row in range(q.shape[0]):
+        want_o, want_state = numpy_kda(q[row, :REAL], k[row, :REAL], v[row, :REAL], g[row, :REAL],
+                                       beta[row, :REAL], K ** -0.5, state[row])
+        assert_close(o[row, :REAL], want_o, FP32_REL)
+        assert_close(final[row], want_state, FP32_REL)
+
+
+def test_zeroing_the_passed_state_fails(monkeypatch):
+    """The check above can fail: with every shard past the first starting from zeros instead of the
+    state passed to it (the final state still right), its outputs are off by far more than the
+    tolerance, while the first shard's stay right."""
+    def zeroed(transition, contribution, initial_state, axis):
+        _, final = incoming_states(transition, contribution, initial_state, axis)
+        return jnp.where(jax.lax.axis_index(axis) == 0, initial_state, 0.0), final
+
+    incoming_states = kda_sequence_parallel.incoming_states
+    monkeypatch.setattr(kda_sequence_parallel, "incoming_states", zeroed)
+    q, k, v, g, beta, state = _padded_inputs()
+    o, _ = _split_kda(4)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, state)))
+    want_o, _ = numpy_kda(q[0, :REAL], k[0, :REAL], v[0, :REAL], g[0, :REAL], beta[0, :REAL], K ** -0.5, state[0])
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_close(o[0, :REAL], want_o, FP32_REL)
+    assert_close(o[0, :PADDED // 4], want_o[:PADDED // 4], FP32_REL)  # the first shard's own start is right
