@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from k3jax.serve import engine_options, parse_args
 from serve.api_common import ServerConfig
 from serve.api_server import build_app
 from serve.async_engine import AsyncEngine
@@ -181,3 +182,13 @@ def test_session_params_refuse_a_bad_key_and_keep_sampling_params_fields():
             SessionParams(prompt_cache_key=key)
     params = SessionParams(temperature=0.5, max_tokens=3, prompt_cache_key="a")
     assert isinstance(params, SamplingParams) and params.temperature == 0.5 and params.max_tokens == 3
+
+
+def test_command_line_options_reach_the_engine():
+    options = engine_options(parse_args(["--enable-prefix-caching", "--session-ttl", "30",
+                                         "--session-cache-bytes", "4096"]))
+    assert (options.session_ttl, options.session_cache_bytes) == (30.0, 4096)
+    assert engine_options(parse_args([])).session_cache_bytes is None  # a quarter of the cache
+    for bad in (["--session-ttl", "-1"], ["--session-cache-bytes", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
