@@ -41,6 +41,7 @@ class Batch(NamedTuple):
     slots: jax.Array | None = None  # [B] int32: KDA state slot of each row (0: the null slot, padding rows)
     page_table: jax.Array | None = None  # [B, max_pages] int32: MLA pages of each row (0: the null page)
     record: bool = False  # a speculative verify: KDA layers record their window instead of writing slots
+    sequence_parallel: bool = False  # a fresh prefill with the tokens split over `data` (prefill_sequence_parallel)
 
 
 class DecodeState(NamedTuple):
@@ -199,6 +200,18 @@ class K3Transformer(nnx.Module):
         h, caches, _ = self._layers(tokens, batch, state.layers, None)
         return ExtendOut(self._head(h), DecodeState(caches, batch.offsets + batch.lengths))
 
+    def prefill_sequence_parallel(self, tokens, lengths) -> ExtendOut:
+        """A fresh prefill (no cached tokens) whose tokens [B, T] are split over the `data` axis of the
+        mesh set around the call, T / data consecutive tokens per shard (k3jax/sequence_parallel.py):
+        what crosses the shards (KDA conv windows and states, MLA cache rows) is passed in the layers.
+        The same result as `extend` from an empty cache of T tokens."""
+        batch = _batch(tokens, lengths, sequence_parallel=True)
+        # The MLA caches of a fresh prefill are exactly its new rows: the layers make them, so the
+        # empty caches passed in hold no tokens.
+        empty = init_cache(self.cfg, tokens.shape[0], 0, self.dtype)
+        h, caches, _ = self._layers(tokens, batch, empty.layers, None)
+        return ExtendOut(self._head(h), DecodeState(caches, batch.lengths))
+
     def step(self, tokens, lengths, state: PagedState, *, last_only: bool = False,
              taps: TapSpec | None = None, embeds=None) -> StepOut:
         """A serving step over the engine's pools: prefill chunks and decodes, each row in its slot and
@@ -264,14 +277,15 @@ class K3Transformer(nnx.Module):
         return logits
 
 
-def _batch(tokens, lengths, offsets=None, slots=None, page_table=None, *, record: bool = False) -> Batch:
+def _batch(tokens, lengths, offsets=None, slots=None, page_table=None, *, record: bool = False,
+           sequence_parallel: bool = False) -> Batch:
     """The `Batch` of tokens [B, T] with `lengths` [B] real tokens each (None: all T) after `offsets`
     cached ones (None: none)."""
     b, t = tokens.shape
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     valid = jnp.arange(t)[None, :] < lengths[:, None]
     offsets = jnp.zeros((b,), jnp.int32) if offsets is None else offsets
-    return Batch(valid, lengths, offsets, slots, page_table, record)
+    return Batch(valid, lengths, offsets, slots, page_table, record, sequence_parallel)
 
 
 def init_cache(cfg: K3Config, batch: int, max_len: int, dtype) -> DecodeState:

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from k3jax import sequence_parallel
 from k3jax.config import K3Config, fixed_router_bias
 from k3jax.decoder import DecodeState, K3Transformer, init_cache
 from k3jax.placement import cache_shardings, check_mesh, place_params, put, split_routed_experts
 from pallas_kernels import moe as moe_ops
-from sharding.mesh import as_mesh, data_size, rows_sharding
+from sharding.mesh import DATA, as_mesh, data_size, rows_sharding
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -187,6 +188,27 @@ class K3Model:
             cache = self.init_cache(tokens.shape[0], max_len or tokens.shape[1])
         logits, cache = self._run(_extend, tokens, lengths, cache)
         return _first_rows(logits, tokens.shape[0]), cache
+
+    def prefill_sequence_parallel(self, input_ids, lengths=None, *, max_len: int | None = None):
+        """`prefill` from an empty cache with each prompt's tokens split over the mesh's `data` axis
+        (k3jax/sequence_parallel.py), for prompts too long for one data group's devices: the same
+        (logits, cache), to fp32 rounding, and `decode` continues from the cache. A separate entry
+        point, since it cannot continue a cache (no `cache=`) and needs a mesh."""
+        if self.mesh is None:
+            raise ValueError("prefill_sequence_parallel splits the prompt over a mesh's data axis; this model has no mesh")
+        tokens, lengths = self._tokens(input_ids, lengths)
+        b, t = tokens.shape
+        max_len = max_len or t
+        if max_len < t:
+            raise ValueError(f"max_len={max_len} is shorter than the {t}-token prompt")
+        padded = sequence_parallel.padded_length(t, data_size(self.mesh), self.config.kda_conv_size)
+        tokens = jnp.pad(tokens, ((0, 0), (0, padded - t)))
+        with jax.set_mesh(self.mesh):
+            logits, cache = sequence_parallel.prefill(
+                self.structure, self.params, put(tokens, NamedSharding(self.mesh, PartitionSpec(None, DATA))),
+                put(lengths, NamedSharding(self.mesh, PartitionSpec())), mesh=self.mesh,
+                rows=self._padded_rows(b), max_len=max_len)
+        return logits[:, :t], cache
 
     def decode(self, tokens, cache: DecodeState):
         """One token per sequence: tokens [B] -> (logits float32 [B, vocab], cache)."""

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
 from k3jax.layers.common import Linear, param, rms_norm
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import kda_decode as kda_decode_ops
+from sharding.mesh import DATA, MODEL
 
 
 class KDACache(NamedTuple):
@@ -85,6 +88,8 @@ class KimiDeltaAttention(nnx.Module):
         sequence) and writes it back; padding rows use the null slot 0. With `batch.record` (a
         speculative verify) the pool is left as it is and the new cache is `Recorded(pool, record)`.
         """
+        if batch.sequence_parallel:
+            return self._forward_sequence_parallel(x, cache, batch.valid, batch.lengths)
         if batch.slots is None:
             return self._forward(x, cache, batch.valid, batch.lengths)
         if x.shape[1] == 1 and not batch.record:
@@ -158,6 +163,25 @@ class KimiDeltaAttention(nnx.Module):
         conv = jnp.take_along_axis(window, rows[:, :, None, None], axis=1)
         return out, KDACache(conv.astype(cache.conv.dtype), state)
 
+    def _forward_sequence_parallel(self, x, cache: KDACache, valid, lengths):
+        """`_forward` of a prompt whose tokens are split over `data` (k3jax/sequence_parallel.py): the
+        projections, gate and output partition per token by themselves; the conv window and the
+        recurrent state cross the shards in `_sequence_shard`, under shard_map, heads over `model`."""
+        cfg = self.cfg
+        qkv = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)  # [B, T, 3, P]
+        weight = jnp.stack([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=1)  # [W, 3, P]
+        g = jnp.where(valid[:, :, None, None], self._log_decay(x), 0.0)  # padding: no decay and no write
+        beta = jnp.where(valid[:, :, None], jax.nn.sigmoid(self.b_proj(x, jnp.float32)), 0.0)
+        channels, heads = P(None, None, None, MODEL), P(None, MODEL)
+        shard = jax.shard_map(
+            functools.partial(_sequence_shard, head_dim=cfg.kda_head_dim),
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(P(None, DATA, None, MODEL), P(None, None, MODEL), channels, P(None, DATA, MODEL),
+                      P(None, DATA, MODEL), heads, P()),
+            out_specs=(P(None, DATA, MODEL), channels, heads), check_vma=False)
+        o, conv, state = shard(qkv, weight, cache.conv.astype(x.dtype), g, beta, cache.state, lengths)
+        return self._gated_output(x, o.astype(x.dtype)), KDACache(conv.astype(cache.conv.dtype), state)
+
     def _log_decay(self, x):
         """Per-channel log decay g [B, T, heads, head_dim] in fp32 (always <= 0)."""
         cfg = self.cfg
@@ -196,6 +220,33 @@ def commit_record(pool: KDACache, record: KDARecord, slots, accepted, targets=No
     conv = jnp.take_along_axis(window, rows[:, :, None, None], axis=1)
     targets = slots if targets is None else targets
     return KDACache(pool.conv.at[targets].set(conv.astype(pool.conv.dtype)), pool.state.at[targets].set(state))
+
+
+def _sequence_shard(qkv, weight, prev, g, beta, state, lengths, *, head_dim: int):
+    """One sequence shard of a KDA layer, inside shard_map (`data` and `model` manual): this shard's
+    T_l tokens of pre-conv qkv [B, T_l, 3, P_l], g [B, T_l, H_l, K], beta [B, T_l, H_l]; the cache's
+    conv window prev [B, W-1, 3, P_l] and state [B, H_l, K, V] (what precedes shard 0); lengths [B]
+    real tokens of the whole prompt. Returns (o [B, T_l, H_l, V], the conv window and state after
+    each sequence's last real token, the same on every shard)."""
+    b, t, _, p = qkv.shape
+    width = weight.shape[0] - 1
+    shards, me = jax.lax.axis_size(DATA), jax.lax.axis_index(DATA)
+    # The conv reads the previous shard's last W-1 inputs (the first shard: the cache's window).
+    from_previous = jax.lax.ppermute(qkv[:, t - width:], DATA, [(j, j + 1) for j in range(shards - 1)])
+    window = jnp.concatenate([jnp.where(me == 0, prev, from_previous), qkv], axis=1)  # [B, W-1+T_l, 3, P_l]
+    q, k, v = (x.reshape(b, t, p // head_dim, head_dim)  # [B, T_l, H_l, K]
+               for x in jnp.moveaxis(_causal_conv_silu(window, weight, t).astype(qkv.dtype), 2, 0))
+    o, state = kda_ops.chunk_kda_sequence_parallel(q, k, v, g, beta, axis=DATA, initial_state=state,
+                                                   use_qk_l2norm_in_kernel=True)
+    # The new conv window: the W-1 rows of the whole prompt's window ending at its last real token,
+    # rows lengths .. lengths + W-2 of it. Local row m is the whole window's row me * T_l + m; each
+    # shard contributes the rows it owns (its tokens; the first shard also the cache's rows) and
+    # the sum over shards puts every row together (adding zeros is exact).
+    rows = lengths[:, None] + jnp.arange(width)[None, :] - me * t  # [B, W-1] local rows
+    owned = (rows >= jnp.where(me == 0, 0, width)) & (rows < t + width)
+    picked = jnp.take_along_axis(window, jnp.clip(rows, 0, t + width - 1)[:, :, None, None], axis=1)
+    conv = jax.lax.psum(jnp.where(owned[:, :, None, None], picked, 0), DATA)
+    return o, conv, state
 
 
 def _causal_conv_silu(window, weight, t: int):

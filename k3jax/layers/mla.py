@@ -7,15 +7,18 @@ DSpark draft's attention is this layer too (RoPE, no gate), with `attend_block` 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
 from k3jax.layers.common import Linear, RMSNorm
 from pallas_kernels import mla as mla_ops
+from sharding.mesh import DATA, MODEL
 
 FOLD_ROWS = 128  # query rows (block rows x heads) per paged attention call in `attend_block`
 
@@ -93,6 +96,8 @@ class MultiHeadLatentAttention(nnx.Module):
         positions sit after every real one, so causality hides them. In a contiguous cache their rows
         are overwritten later; in pages they go to the null page, since a page may be shared.
         """
+        if batch.sequence_parallel:
+            return self._prefill_sequence_parallel(x, cache, batch.lengths)
         cfg = self.cfg
         b, t, _ = x.shape
         offsets = batch.offsets
@@ -127,6 +132,26 @@ class MultiHeadLatentAttention(nnx.Module):
                 rows = cache.gather(batch.page_table, x.dtype) if isinstance(cache, MLAPages) else cache.latent
                 o = self._naive(q_nope, q_rope, rows, offsets, offsets + t, scale)
         return self._output(x, o), cache
+
+    def _prefill_sequence_parallel(self, x, cache: MLACache, lengths):
+        """A fresh prefill whose tokens are split over `data` (k3jax/sequence_parallel.py): each shard
+        computes its queries and cache rows; the rows (the compressed latent, 576 wide at K3 size, not
+        the per-head keys and values) are all-gathered over `data` in `_attend_shard`, which expands
+        them for its heads and attends causally. The new cache is exactly the new rows."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+        q_nope, q_rope = self.queries(x, positions)
+        rows = self.cache_rows(x, positions)  # [B, T, C]
+        w_uk, w_uv = self._up_weights()
+        heads = P(None, DATA, MODEL)
+        attend = jax.shard_map(
+            functools.partial(_attend_shard, kv_lora_rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim ** -0.5),
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(heads, heads, P(None, DATA), P(None, MODEL), P(None, MODEL), P()), out_specs=heads,
+            check_vma=False)
+        o = attend(q_nope, q_rope, rows, w_uk, w_uv, lengths)
+        return self._output(x, o), MLACache(rows.astype(cache.latent.dtype))
 
     def queries(self, x, positions):
         """x [B, T, H] at positions [B, T] -> (q_nope [B, T, heads, nope], q_rope [B, T, heads, rope])."""
@@ -188,18 +213,8 @@ class MultiHeadLatentAttention(nnx.Module):
         return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
 
     def _naive(self, q_nope, q_rope, rows, q_offset, kv_length, scale):
-        cfg = self.cfg
-        w_uk, w_uv = self._up_weights()
-        latent, k_rope = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
-        latent = latent.astype(q_nope.dtype)
-        k_nope = jnp.einsum("bsc,chn->bshn", latent, w_uk.astype(latent.dtype),
-                            preferred_element_type=jnp.float32).astype(q_nope.dtype)
-        v = jnp.einsum("bsc,chv->bshv", latent, w_uv.astype(latent.dtype),
-                       preferred_element_type=jnp.float32).astype(q_nope.dtype)
-        k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(q_nope.dtype), (*k_nope.shape[:3], k_rope.shape[-1]))
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        k = jnp.concatenate([k_nope, k_rope], axis=-1)
-        return mla_ops.causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale)
+        return _naive_attention(q_nope, q_rope, rows, *self._up_weights(), q_offset, kv_length, scale,
+                                self.cfg.kv_lora_rank)
 
     def _absorbed(self, q_nope, q_rope, attend):
         """q_nope [..., heads, nope], q_rope [..., heads, rope] -> [..., heads, v]: the query mapped into
@@ -210,6 +225,32 @@ class MultiHeadLatentAttention(nnx.Module):
         out_latent = attend(jnp.concatenate([q_latent, q_rope], axis=-1))
         return jnp.einsum("...hc,chv->...hv", out_latent, w_uv.astype(out_latent.dtype),
                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
+
+
+def _naive_attention(q_nope, q_rope, rows, w_uk, w_uv, q_offset, kv_length, scale, kv_lora_rank: int):
+    """The naive form: cache rows [B, S, C] expanded per head by W_UK [C_lat, heads, nope] and
+    W_UV [C_lat, heads, v] into keys and values, then causal attention of q [B, T, heads, *] at
+    positions q_offset[b] + t over the first kv_length[b] rows -> [B, T, heads, v]."""
+    latent, k_rope = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
+    latent = latent.astype(q_nope.dtype)
+    k_nope = jnp.einsum("bsc,chn->bshn", latent, w_uk.astype(latent.dtype),
+                        preferred_element_type=jnp.float32).astype(q_nope.dtype)
+    v = jnp.einsum("bsc,chv->bshv", latent, w_uv.astype(latent.dtype),
+                   preferred_element_type=jnp.float32).astype(q_nope.dtype)
+    k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(q_nope.dtype), (*k_nope.shape[:3], k_rope.shape[-1]))
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    k = jnp.concatenate([k_nope, k_rope], axis=-1)
+    return mla_ops.causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale)
+
+
+def _attend_shard(q_nope, q_rope, rows, w_uk, w_uv, lengths, *, kv_lora_rank: int, scale):
+    """One sequence shard's attention, inside shard_map (`data` and `model` manual): its T_l queries
+    [B, T_l, H_l, *] at positions me * T_l + t against every shard's cache rows [B, T_l, C], gathered
+    into the whole prompt's [B, T, C]; only its heads' W_UK, W_UV. Returns [B, T_l, H_l, v]."""
+    b, t = q_nope.shape[:2]
+    every_row = jax.lax.all_gather(rows, DATA, axis=1, tiled=True)
+    start = jnp.full((b,), jax.lax.axis_index(DATA) * t, jnp.int32)
+    return _naive_attention(q_nope, q_rope, every_row, w_uk, w_uv, start, lengths, scale, kv_lora_rank)
 
 
 def page_slots(page_table, positions, page_size: int, valid):

@@ -74,3 +74,71 @@ def test_zeroing_the_passed_state_fails(monkeypatch):
     with pytest.raises(AssertionError, match="relative error"):
         assert_close(o[0, :REAL], want_o, FP32_REL)
     assert_close(o[0, :PADDED // 4], want_o[:PADDED // 4], FP32_REL)  # the first shard's own start is right
+
+
+# Two prompts, right-padded: 300 tokens (8 shards of 38 after padding to 304) and 261.
+LENGTHS = np.array([300, 261], np.int32)
+STEPS = 3  # decode steps after the prefill
+# fp32: the split changes only the order of sums (the KDA chunks start at shard boundaries, the
+# model's partial sums are split as on any mesh). Measured: logits, caches and decode logits within
+# 5e-5 of their largest value (the plain prefill on a mesh: ~3e-5).
+REL = 2e-4
+
+
+def _relative(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The unsplit prefill and STEPS teacher-forced decode steps on one device: (prompt, fed tokens,
+    prefill logits, cache, decode logits [STEPS, B, V])."""
+    model = K3Model.random(k3_tiny(), dtype="float32", seed=0).with_fixed_routing()
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 512, (len(LENGTHS), LENGTHS.max()), dtype=np.int32)
+    fed = rng.integers(0, 512, (STEPS, len(LENGTHS)), dtype=np.int32)
+    logits, cache = model.prefill(prompt, LENGTHS, max_len=LENGTHS.max() + STEPS)
+    kept = jax.tree.map(np.asarray, cache)  # decoding donates the cache
+    return prompt, fed, np.asarray(logits), kept, _decode(model, cache, fed)
+
+
+def _decode(model, cache, fed):
+    steps = []
+    for tokens in fed:
+        logits, cache = model.decode(tokens, cache)
+        steps.append(np.asarray(logits))
+    return np.stack(steps)
+
+
+@pytest.mark.parametrize("mesh", ["8x2", "4x4", "2x8"])
+def test_split_prefill_gives_the_plain_prefill_and_decode(plain, mesh):
+    """Split over 2, 4 and 8 sequence shards (heads over 8, 4 and 2 devices), the logits of every real
+    position, every layer's cache (KDA state and conv window, MLA rows of the real positions) and the
+    logits of decoding from that cache are the one-device unsplit run's."""
+    prompt, fed, want_logits, want_cache, want_steps = plain
+    model = K3Model.random(k3_tiny(), dtype="float32", seed=0, mesh=mesh).with_fixed_routing()
+    logits, cache = model.prefill_sequence_parallel(prompt, LENGTHS, max_len=LENGTHS.max() + STEPS)
+    rows = len(LENGTHS)
+    for row, length in enumerate(LENGTHS):
+        assert _relative(logits[row, :length], want_logits[row, :length]) <= REL, (mesh, row)
+    np.testing.assert_array_equal(np.asarray(cache.lengths)[:rows], LENGTHS)
+    for layer, (got, want) in enumerate(zip(cache.layers, want_cache.layers)):
+        if isinstance(want, KDACache):
+            assert _relative(got.state[:rows], want.state) <= REL, (mesh, layer, "state")
+            assert _relative(got.conv[:rows], want.conv) <= REL, (mesh, layer, "conv")
+        else:
+            for row, length in enumerate(LENGTHS):
+                assert _relative(got.latent[row, :length], want.latent[row, :length]) <= REL, (mesh, layer, row)
+    steps = _decode(model, cache, fed)
+    assert _relative(steps, want_steps) <= REL, mesh
+
+
+def test_refusals():
+    model = K3Model.random(k3_tiny(), dtype="float32", seed=0)
+    with pytest.raises(ValueError, match="has no mesh"):
+        model.prefill_sequence_parallel(np.zeros((1, 64), np.int32))
+    model = K3Model.random(k3_tiny(), dtype="float32", seed=0, mesh="2x8")
+    with pytest.raises(ValueError, match="16-token prompt over 8 sequence shards leaves 2 tokens a shard; "
+                                         "the KDA conv window needs at least 3"):
+        model.prefill_sequence_parallel(np.zeros((1, 16), np.int32))
