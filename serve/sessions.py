@@ -95,13 +95,13 @@ class SessionPins:
 
     def pin(self, key: str, hashes: list[bytes]) -> None:
         """Pins what a finished request of session `key` leaves cached along `hashes` (its pages' hash
-        chain), replacing the session's previous pin; the oldest pins go when over budget."""
-        old = self.pins.pop(key, None)
+        chain), replacing the session's previous pin; the oldest pins go when over budget. A request
+        that leaves nothing to pin (aborted before it ran) leaves the previous pin in place."""
         pinned = self.prefix_cache.pin(hashes)
-        if old is not None:  # after pinning the new chain, which usually extends the old one
-            self._unpin(old)
         if not pinned:
             return
+        if (old := self.pins.pop(key, None)) is not None:  # after pinning the new chain, which usually extends it
+            self._unpin(old)
         pin = Pin(pinned, self.clock() + self.ttl_s, len(pinned) * self.page_bytes + self.slot_bytes)
         self.pins[key] = pin
         self.nbytes += pin.nbytes

@@ -127,6 +127,8 @@ def test_the_byte_budget_releases_the_oldest_pins(model, engine):  # noqa: F811
     stats = engine.stats()
     assert list(engine.sessions.pins) == ["b"] and stats["session_pinned_pages"] == 8
     assert stats["session_pinned_bytes"] == slot_bytes + 8 * page_bytes
+    engine.abort(engine.add_request([1, 2, 3], greedy(2, "b")))  # a turn aborted before it ran: b's pin stays
+    assert list(engine.sessions.pins) == ["b"] and engine.stats()["session_pinned_pages"] == 8
     engine.allocator.reset_prefix_cache()
     assert engine.allocator.free_pages == PAGES - 1 - 8
     # a budget that cannot hold one pin turns sessions off: the key is refused, not silently ignored
