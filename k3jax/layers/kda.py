@@ -135,17 +135,11 @@ class KimiDeltaAttention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         heads, d = cfg.kda_num_heads, cfg.kda_head_dim
-        qkv = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)  # [B, T, 3, P]
+        qkv, weight, g, beta = self._token_inputs(x, valid)
         prev = cache.conv if cache is not None else jnp.zeros((b, cfg.kda_conv_size - 1, *qkv.shape[2:]), x.dtype)
         window = jnp.concatenate([prev.astype(x.dtype), qkv], axis=1)  # [B, W-1+T, 3, P]
-        weight = jnp.stack([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=1)  # [W, 3, P]
         qkv = _causal_conv_silu(window, weight, t).astype(x.dtype)
         q, k, v = (qkv[:, :, i].reshape(b, t, heads, d) for i in range(3))
-
-        g = self._log_decay(x)
-        beta = jax.nn.sigmoid(self.b_proj(x, jnp.float32))
-        g = jnp.where(valid[:, :, None, None], g, 0.0)  # padding: no decay and no write
-        beta = jnp.where(valid[:, :, None], beta, 0.0)
         initial = cache.state if cache is not None else None
         # A verify window runs token by token, as the plain decode it stands in for: the same
         # arithmetic, so speculation does not move the logits.
@@ -167,20 +161,26 @@ class KimiDeltaAttention(nnx.Module):
         """`_forward` of a prompt whose tokens are split over `data` (k3jax/sequence_parallel.py): the
         projections, gate and output partition per token by themselves; the conv window and the
         recurrent state cross the shards in `_sequence_shard`, under shard_map, heads over `model`."""
-        cfg = self.cfg
-        qkv = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)  # [B, T, 3, P]
-        weight = jnp.stack([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=1)  # [W, 3, P]
-        g = jnp.where(valid[:, :, None, None], self._log_decay(x), 0.0)  # padding: no decay and no write
-        beta = jnp.where(valid[:, :, None], jax.nn.sigmoid(self.b_proj(x, jnp.float32)), 0.0)
+        qkv, weight, g, beta = self._token_inputs(x, valid)
         channels, heads = P(None, None, None, MODEL), P(None, MODEL)
         shard = jax.shard_map(
-            functools.partial(_sequence_shard, head_dim=cfg.kda_head_dim),
+            functools.partial(_sequence_shard, head_dim=self.cfg.kda_head_dim),
             mesh=jax.sharding.get_abstract_mesh(),
             in_specs=(P(None, DATA, None, MODEL), P(None, None, MODEL), channels, P(None, DATA, MODEL),
                       P(None, DATA, MODEL), heads, P()),
             out_specs=(P(None, DATA, MODEL), channels, heads), check_vma=False)
         o, conv, state = shard(qkv, weight, cache.conv.astype(x.dtype), g, beta, cache.state, lengths)
         return self._gated_output(x, o.astype(x.dtype)), KDACache(conv.astype(cache.conv.dtype), state)
+
+    def _token_inputs(self, x, valid):
+        """What the recurrence takes of each token: the pre-conv qkv [B, T, 3, P], the conv weight
+        [W, 3, P], g [B, T, heads, head_dim] and beta [B, T, heads] in fp32, zero at padding (no decay
+        and no write)."""
+        qkv = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)
+        weight = jnp.stack([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=1)
+        g = jnp.where(valid[:, :, None, None], self._log_decay(x), 0.0)
+        beta = jnp.where(valid[:, :, None], jax.nn.sigmoid(self.b_proj(x, jnp.float32)), 0.0)
+        return qkv, weight, g, beta
 
     def _log_decay(self, x):
         """Per-channel log decay g [B, T, heads, head_dim] in fp32 (always <= 0)."""
