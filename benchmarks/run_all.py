@@ -31,6 +31,7 @@ BENCHMARKS = (
     "grammar_compile_stall",
     "image_prefill",
     "kda_chunked_vs_recurrent",
+    "sequence_parallel_prefill",
     "decode_compile_time",
     "dspark_speedup",
     "eval_loglikelihood",
