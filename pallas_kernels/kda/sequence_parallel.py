@@ -12,6 +12,9 @@ exchange their (M_T, C_T) summaries (an all_gather of [K, K + V] per head), each
 it in order, S <- M_j S + C_j from the initial state (a sequential pass: shard counts are small),
 and adds its true incoming state's part to its outputs: no second run over the tokens.
 
+The widened run is K + V wide: 2K in every KDA config (K = V = head_dim), a power of two wherever K
+is, so it suits the Pallas kernels as the plain run does (impl="pallas" refuses other widths).
+
 The maps M_t contract (beta in (0, 1), k normalised), so the summary is as well conditioned as the
 state itself; the result equals the unsplit chunked run to fp32 rounding.
 """

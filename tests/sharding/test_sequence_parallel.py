@@ -58,6 +58,27 @@ def test_state_pass_matches_the_token_loop(shards):
         assert_close(final[row], want_state, FP32_REL)
 
 
+def test_state_pass_runs_the_pallas_kernel_in_each_shard():
+    """impl="pallas" (interpreted off a GPU) inside the shard_map: the kernel runs on each shard's
+    span as it is (no nested per-shard dispatch) and gives the token loop's outputs and state. K = V,
+    as in the model, so the widened run's 2K suits the kernel."""
+    rng = np.random.default_rng(6)
+    q, k, _, g, beta = inputs(128, seed=6)
+    v = rng.standard_normal((*q.shape[:3], K))
+    state = rng.standard_normal((q.shape[0], H, K, K))
+    mesh = make_mesh("1x2")
+
+    def body(q, k, v, g, beta, state):
+        return chunk_kda_sequence_parallel(q, k, v, g, beta, axis=DATA, initial_state=state, impl="pallas")
+
+    split = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, DATA),) * 5 + (P(),),
+                                  out_specs=(P(None, DATA), P()), check_vma=False))
+    o, final = split(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, state)))
+    want_o, want_state = numpy_kda(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, state[0])
+    assert_close(o[0], want_o, FP32_REL)
+    assert_close(final[0], want_state, FP32_REL)
+
+
 def test_zeroing_the_passed_state_fails(monkeypatch):
     """The check above can fail: with every shard past the first starting from zeros instead of the
     state passed to it (the final state still right), its outputs are off by far more than the
