@@ -32,6 +32,7 @@ BENCHMARKS = (
     "image_prefill",
     "kda_chunked_vs_recurrent",
     "sequence_parallel_prefill",
+    "session_retention",
     "decode_compile_time",
     "dspark_speedup",
     "eval_loglikelihood",

@@ -21,19 +21,22 @@ class Totals:
 
     def __init__(self, num_choices: int, keep_outputs: bool = True):
         self.prompt_tokens = [0] * num_choices
+        self.cached_tokens = [0] * num_choices  # of the prompt, found in the prefix cache
         self.completion_tokens = [0] * num_choices
         self.keep_outputs = keep_outputs
         self.outputs: dict[int, RequestOutput] = {}
 
     def add(self, index: int, delta: RequestOutput) -> None:
         self.prompt_tokens[index] = len(delta.prompt_token_ids)
+        self.cached_tokens[index] = delta.num_cached_tokens
         self.completion_tokens[index] += len(delta.token_ids)
         if not self.keep_outputs:
             return
         whole = self.outputs.get(index)
         if whole is None:
             self.outputs[index] = RequestOutput(delta.request_id, delta.prompt_token_ids, list(delta.token_ids),
-                                                delta.finish_reason, list(delta.logprobs or []), delta.text)
+                                                delta.finish_reason, list(delta.logprobs or []), delta.text,
+                                                delta.num_cached_tokens)
             return
         whole.token_ids += delta.token_ids
         whole.logprobs += delta.logprobs or []
@@ -41,10 +44,11 @@ class Totals:
         whole.finish_reason = delta.finish_reason
 
     def usage(self, n: int) -> dict:
-        """Token counts; each prompt counts once, not once per choice."""
+        """Token counts, OpenAI's cached prompt tokens included; each prompt counts once, not once per choice."""
         prompt = sum(self.prompt_tokens[::n])
         completion = sum(self.completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens[::n])}}
 
 
 class ChatChoice:

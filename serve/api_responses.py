@@ -364,7 +364,7 @@ class _Response:
     def final(self, output_items: list, output: RequestOutput) -> dict:
         reasoning = "".join(item["content"][0]["text"] for item in output_items if item["type"] == "reasoning")
         completion = len(output.token_ids)
-        usage = {"input_tokens": len(output.prompt_token_ids), "input_tokens_details": {"cached_tokens": 0},
+        usage = {"input_tokens": len(output.prompt_token_ids), "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
                  "output_tokens": completion,
                  "output_tokens_details": {"reasoning_tokens": min(completion, len(self.tokenizer.encode(reasoning)))},
                  "total_tokens": len(output.prompt_token_ids) + completion}

@@ -151,10 +151,13 @@ def test_pins_give_way_to_a_request_that_could_not_run_otherwise(model, referee)
 
 
 def test_prompt_cache_key_through_the_http_api(model):  # noqa: F811
-    """A key that is not a string, empty or too long is a 400 naming the field on both routes; a
+    """A key that is not a string, empty or too long is a 400 naming the field on every route; a
     server that cannot keep sessions (no prefix caching) refuses the key; one that can pins the
     conversation of a completion sent with it."""
     def post(client, route, **fields):
+        if route == "responses":
+            return client.post("/v1/responses", json={"model": "m", "max_output_tokens": 3, "temperature": 0,
+                                                      "input": "hi", **fields})
         body = {"model": "m", "max_tokens": 3, "temperature": 0, **fields}
         body.update({"prompt": [5, 6, 7] * 7} if route == "completions" else {"messages": [{"role": "user",
                                                                                         "content": "hi"}]})
@@ -163,13 +166,17 @@ def test_prompt_cache_key_through_the_http_api(model):  # noqa: F811
     config = ServerConfig(model_name="m", model_path="/m")
     engine = Engine(model, EngineOptions(**OPTIONS))
     with TestClient(build_app(AsyncEngine(engine, max_queued_requests=4), config)) as client:
-        for route in ("completions", "chat/completions"):
+        for route in ("completions", "chat/completions", "responses"):
             for key in (7, ["a"], "", "k" * (MAX_KEY_CHARS + 1)):
                 response = post(client, route, prompt_cache_key=key)
                 assert response.status_code == 400, response.text
                 assert response.json()["error"]["param"] == "prompt_cache_key", response.json()
         ok = post(client, "completions", prompt_cache_key="k" * MAX_KEY_CHARS)
         assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a cold prompt
+        again = post(client, "completions").json()["usage"]  # the same prompt: its whole pages are cached
+        cached = again["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (again["prompt_tokens"] - 1) // PAGE * PAGE > 0
     assert list(engine.sessions.pins) == ["k" * MAX_KEY_CHARS]
     plain = Engine(model, EngineOptions(**{**OPTIONS, "enable_prefix_caching": False}))
     with TestClient(build_app(AsyncEngine(plain, max_queued_requests=4), config)) as client:
