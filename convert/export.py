@@ -17,8 +17,12 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from convert import layout, mxfp4
+from convert.reader import SafetensorsReader
 from convert.synth import write_tokenizer
+from convert.vision_layout import PREFIXES as VISION_PREFIXES
+from convert.vision_layout import vision_rules
 from k3jax.config import K3Config
+from k3jax.vision.config import VisionConfig
 
 _NUMPY_DTYPES = {layout.BF16: ml_dtypes.bfloat16, layout.F32: np.float32}
 
@@ -30,7 +34,7 @@ def stored(rule: layout.Rule, param: np.ndarray) -> np.ndarray:
         value = param.T
     elif rule.transform == "squeeze":
         value = param[None]
-    elif rule.transform == "conv":  # [W, P] -> [P, 1, W] (or [P, W])
+    elif rule.transform in ("conv", "patch"):  # [W, P] -> [P, 1, W] (or [P, W]); [3*p*p, D] -> [D, 3, p, p]
         value = param.T.reshape(rule.shape)
     elif rule.transform == "a_log":  # the stored entries past the model's heads are never read
         value = np.zeros(math.prod(rule.shape), np.float32)
@@ -71,8 +75,8 @@ def checkpoint_tensors(cfg: K3Config, params: dict[tuple, np.ndarray]) -> dict[s
 
 
 def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, params: dict[tuple, np.ndarray]) -> K3Config:
-    """config.json, model.safetensors (text tensors only: no vision tower) and the byte-level
-    tokenizer of `convert.synth`."""
+    """config.json, model.safetensors (text tensors only: `add_vision_tensors` adds the tower) and
+    the byte-level tokenizer of `convert.synth`."""
     cfg = K3Config.from_hf_dict(copy.deepcopy(hf_config))  # it normalises the dict it reads
     os.makedirs(out_dir, exist_ok=True)
     save_file(checkpoint_tensors(cfg, params), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -80,3 +84,18 @@ def write_checkpoint(out_dir: str | os.PathLike, hf_config: dict, params: dict[t
         json.dump(hf_config, f, indent=2)
     write_tokenizer(out_dir, cfg)
     return cfg
+
+
+def vision_checkpoint_tensors(cfg: VisionConfig, params: dict[tuple, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tower's and projector's tensors (`vision_tower.*`, `mm_projector.*`) from the tower
+    module's parameters by path: the inverse of `convert.vision_layout.vision_arrays`."""
+    return {rule.name: stored(rule, params[rule.path]) for rule in vision_rules(cfg)}
+
+
+def add_vision_tensors(out_dir: str | os.PathLike, cfg: VisionConfig, params: dict[tuple, np.ndarray]) -> None:
+    """Rewrites out_dir/model.safetensors with the tower's tensors beside the text tensors, which are
+    copied byte for byte (the text model stays exactly as written)."""
+    reader = SafetensorsReader(out_dir)
+    tensors = {name: reader.read(name) for name in reader.names() if not name.startswith(VISION_PREFIXES)}
+    tensors.update(vision_checkpoint_tensors(cfg, params))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -19,7 +19,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from convert.hf_params import HfParams
+from convert.mxfp4 import dequantize
 from k3jax.config import K3Config
+from k3jax.decoder import K3Transformer
 from k3jax.layers.ffn import training_moe
 from k3jax.model import K3Model
 
@@ -44,6 +47,23 @@ def training_config(hf: dict) -> K3Config:
     hf = copy.deepcopy(hf)
     hf.get("text_config", hf).pop("quantization_config", None)
     return K3Config.from_hf_dict(hf)
+
+
+def pretrained(path: str, cfg: K3Config) -> tuple[nnx.GraphDef, nnx.State]:
+    """The checkpoint at `path` as the fp32 (graphdef, params) of its training config `cfg`
+    (`training_config`), to train further: MXFP4 experts decoded to plain arrays (exact: every MXFP4
+    value is an fp32 one)."""
+    source = HfParams(path, K3Config.from_pretrained(path))
+    loaded = source.model()
+    for i in range(cfg.num_hidden_layers):
+        loaded.update({("layers", i) + k: v for k, v in source.layer(i).items()})
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Transformer(cfg, dtype=jnp.float32)))
+
+    def value(path, target):
+        array = loaded[path] if path in loaded else dequantize(loaded[(*path, "packed")], loaded[(*path, "scales")])
+        return target.replace(jnp.asarray(array, target.get_value().dtype))
+
+    return graphdef, nnx.from_flat_state([(k, value(k, v)) for k, v in nnx.to_flat_state(state)])
 
 
 def optimizer(options: TrainOptions, params) -> optax.GradientTransformation:
