@@ -46,7 +46,8 @@ serve: $(STAMP)
 	$(PY) -m k3jax.serve
 
 # The embedded k3-tiny that LLM() and make serve load (k3jax/weights/k3-tiny): trained in JAX on
-# pydoc_data.topics in K3's chat format, deterministic given the seed (k3jax/train/).
+# pydoc_data.topics in K3's chat format, deterministic given the seed (k3jax/train/). Its vision stage
+# (python -m k3jax.train --stage vision) is not in the shipped weights yet (k3jax/train/__main__.py).
 weights: $(STAMP)
 	$(PY) -m k3jax.train
 
