@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(prompt_cache_key) may hold; default a quarter of the cache, 0 turns sessions off")
     parser.add_argument("--session-ttl", type=float, default=defaults.session_ttl,
                         help="seconds a session's prefix stays pinned after its last request")
+    parser.add_argument("--kv-offload-bytes", type=int, default=defaults.kv_offload_bytes,
+                        help="host memory that keeps the prefix cache's evicted pages and KDA snapshots, restored "
+                             "instead of recomputed (needs --enable-prefix-caching; 0: off)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=defaults.async_scheduling,
                         help="dispatch a steady decode batch's next step before this one's tokens reach the host")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -103,7 +106,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                          speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
                          async_scheduling=args.async_scheduling, session_cache_bytes=args.session_cache_bytes,
-                         session_ttl=args.session_ttl)
+                         session_ttl=args.session_ttl, kv_offload_bytes=args.kv_offload_bytes)
 
 
 def _positive(text: str) -> int:

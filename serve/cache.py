@@ -82,9 +82,11 @@ class CacheAllocator:
     holds are released to it rather than freed, and its unused entries are evicted (least recently
     used first) when the free lists run dry."""
 
-    def __init__(self, layout: CacheLayout, prefix_cache=None):
+    def __init__(self, layout: CacheLayout, prefix_cache=None, offload=None):
+        """offload: the prefix cache's host tier (serve/kv_offload.py), which keeps what it evicts."""
         self.layout = layout
         self.prefix_cache = prefix_cache
+        self.offload = offload
         self._free_pages = list(range(layout.num_pages - 1, 0, -1))  # pop() hands out low ids first
         self._free_slots = list(range(layout.num_slots - 1, 0, -1))
 
@@ -101,9 +103,11 @@ class CacheAllocator:
 
     def allocate_slot(self) -> int | None:
         if not self._free_slots and self.prefix_cache is not None:
-            slot = self.prefix_cache.evict_snapshot()
-            if slot is not None:
-                return slot
+            evicted = self.prefix_cache.evict_snapshot()
+            if evicted is not None:
+                if self.offload is not None:
+                    self.offload.stage(evicted[0], None, evicted[1])
+                return evicted[1]
         return self._free_slots.pop() if self._free_slots else None
 
     def allocate_pages(self, count: int) -> list[int] | None:
@@ -111,7 +115,9 @@ class CacheAllocator:
             evicted = self.prefix_cache.evict()
             if evicted is None:
                 break
-            self._return(*evicted)
+            if self.offload is not None:
+                self.offload.stage(*evicted)
+            self._return(*evicted[1:])
         if count > len(self._free_pages):
             return None
         return [self._free_pages.pop() for _ in range(count)]
@@ -123,14 +129,23 @@ class CacheAllocator:
             else:
                 self._free_pages.append(page)
         if slot is not None:
+            if self.offload is not None:
+                self.offload.release_slot(slot)
             self._free_slots.append(slot)
 
     def reset_prefix_cache(self) -> None:
-        """Evicts every cached page and snapshot nobody is using."""
+        """Evicts every cached page and snapshot nobody is using, and forgets the host tier's."""
         while (evicted := self.prefix_cache.evict()) is not None:
-            self._return(*evicted)
-        while (slot := self.prefix_cache.evict_snapshot()) is not None:
-            self._free_slots.append(slot)
+            self._return(*evicted[1:])
+        while (evicted := self.prefix_cache.evict_snapshot()) is not None:
+            self._free_slots.append(evicted[1])
+        if self.offload is not None:
+            self.offload.clear()
+
+    def restore(self, chain: list[bytes], hit: int, slot: int) -> int:
+        """The pages of `chain` a prefix-cache lookup for the request of `slot` hits: its device hit,
+        extended from the host tier."""
+        return hit if self.offload is None else self.offload.restore(chain, hit, self, slot)
 
     def _return(self, page: int, snapshot: int | None) -> None:
         self._free_pages.append(page)

@@ -29,6 +29,7 @@ from serve.dspark import speculation
 from serve.encoder_cache import DEFAULT_BUDGET_BYTES, EncoderCache
 from serve.multimodal import MultimodalPrompt
 from serve.cache import CacheAllocator, engine_layout, page_bytes, slot_bytes
+from serve.kv_offload import KVOffload
 from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
 from serve.sampling import SamplingParams
@@ -64,6 +65,9 @@ class EngineOptions:
     # quarter of the cache's), and how long a pin outlives its request, in seconds
     session_cache_bytes: int | None = None
     session_ttl: float = DEFAULT_TTL_S
+    # Host bytes that keep what the prefix cache evicts, restored instead of recomputed (vLLM's
+    # --kv-offloading-size; serve/kv_offload.py); 0: off
+    kv_offload_bytes: int = 0
     seed: int = 0
     # {"method": "dspark", "model": DIR, "num_speculative_tokens": K, "draft_sample_method": "greedy" |
     # "probabilistic"} (vLLM's keys), or that as a JSON string
@@ -84,6 +88,8 @@ class EngineOptions:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if (self.session_cache_bytes is not None and self.session_cache_bytes < 0) or self.session_ttl < 0:
             raise ValueError("session_cache_bytes and session_ttl must not be negative")
+        if self.kv_offload_bytes < 0 or (self.kv_offload_bytes and not self.enable_prefix_caching):
+            raise ValueError("kv_offload_bytes: must not be negative, and needs prefix caching")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}")
         if self.batch_invariant and (self.enable_prefix_caching or self.speculative_config is not None):
@@ -120,13 +126,16 @@ class Engine:
         kv_dtype = KV_CACHE_DTYPES[options.kv_cache_dtype] or model.dtype
         if speculator is None and options.speculative_config is not None:
             speculator = speculation.from_config(options.speculative_config, model, kv_dtype)
+        if speculator is not None and options.kv_offload_bytes:  # the draft's own pages would not come back
+            raise ValueError("kv_offload_bytes: not with speculative decoding")
         self.speculator = speculator
         self.stats_counters = speculation.SpecStats(speculator.num_speculative_tokens if speculator else 0)
         kv_bytes = jnp.dtype(kv_dtype).itemsize
         draft_page_bytes = speculator.page_bytes(options.block_size) if speculator else 0
         self.layout = engine_layout(cfg, options, jnp.dtype(model.dtype).itemsize, kv_bytes, draft_page_bytes)
         self.prefix_cache = PrefixCache(options.block_size) if options.enable_prefix_caching else None
-        self.allocator = CacheAllocator(self.layout, self.prefix_cache)
+        self.offload = KVOffload(options.kv_offload_bytes) if options.kv_offload_bytes else None
+        self.allocator = CacheAllocator(self.layout, self.prefix_cache, self.offload)
         self.sessions = None if self.prefix_cache is None else SessionPins.for_cache(
             self.prefix_cache, self.layout, options,
             page_bytes=page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes,
@@ -142,7 +151,7 @@ class Engine:
                                    or options.max_num_batched_tokens, sessions=self.sessions)
         self.runner = Runner(model, self.layout, max_model_len=options.max_model_len, kv_cache_dtype=kv_dtype,
                              taps=speculator.taps if speculator else None,
-                             embed_width=cfg.hidden_size if self.images is not None else None)
+                             embed_width=cfg.hidden_size if self.images is not None else None, offload=self.offload)
         if speculator is not None:
             speculator.bind(self.runner, options.seed)
         self.decode_rows = buckets(options.max_num_seqs, smallest=self.runner.num_data)
@@ -285,13 +294,15 @@ class Engine:
             self.allocator.reset_prefix_cache()
 
     def stats(self) -> dict:
-        """Counters: preemptions, prompt tokens computed, prefix-cache hit rate and session pins, and
-        the speculative acceptance figures."""
+        """Counters: preemptions, prompt tokens computed, prefix-cache hit rate, session pins and the
+        host tier's entries, and the speculative acceptance figures."""
         stats = {"num_preemptions": self.scheduler.num_preemptions, "num_steps_ahead": self.num_steps_ahead,
                  "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens}
         if self.prefix_cache is not None:
             stats.update(prefix_cache_hit_rate=self.prefix_cache.hit_rate, session_pins=len(self.sessions.pins),
                          session_pinned_pages=self.sessions.pinned_pages, session_pinned_bytes=self.sessions.nbytes)
+        if self.offload is not None:
+            stats.update(self.offload.stats())
         if self.speculator is not None:
             stats.update(self.stats_counters.as_dict())
         if self.images is not None:

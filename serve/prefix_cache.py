@@ -47,10 +47,15 @@ class PrefixCache:
             hashes.append(previous)
         return hashes
 
-    def lookup(self, prompt: list[int]) -> tuple[list[bytes], list[int], int | None]:
+    def lookup(self, prompt: list[int], restore=None) -> tuple[list[bytes], list[int], int | None]:
         """The longest cached prefix of `prompt` that ends at a snapshot and leaves at least one token
-        to compute: (hashes, pages, snapshot slot); the pages are referenced for the caller."""
-        hashes = self._referenced(self.chain(prompt, 0, (len(prompt) - 1) // self.page_size))
+        to compute: (hashes, pages, snapshot slot); the pages are referenced for the caller.
+        restore(chain, hit): the pages of the prompt's chain a host tier extends the device hit to
+        (serve/kv_offload.py), cached and referenced again."""
+        chain = self.chain(prompt, 0, (len(prompt) - 1) // self.page_size)
+        hashes = self._referenced(chain)
+        if restore is not None:
+            hashes = chain[:restore(chain, len(hashes))]
         self.queried_tokens += len(prompt)
         self.hit_tokens += len(hashes) * self.page_size
         return hashes, [self.entries[h].page for h in hashes], self.entries[hashes[-1]].snapshot if hashes else None
@@ -65,10 +70,14 @@ class PrefixCache:
                 break
             if entry.snapshot is not None:
                 usable = i + 1
-        for h in hashes[:usable]:
+        self.reference(hashes[:usable])
+        return hashes[:usable]
+
+    def reference(self, hashes: list[bytes]) -> None:
+        """One more reference on each cached entry of `hashes`, made the most recently used."""
+        for h in hashes:
             self.entries[h].refs += 1
             self.entries.move_to_end(h)
-        return hashes[:usable]
 
     def insert(self, h: bytes, page: int) -> bool:
         """Registers a request's newly filled page (it holds one reference); False if the prefix is
@@ -114,22 +123,22 @@ class PrefixCache:
         slot, entry.snapshot = entry.snapshot, None
         return slot
 
-    def evict(self) -> tuple[int, int | None] | None:
-        """Drops the least recently used entry nobody references: (its page, its snapshot slot or None)."""
+    def evict(self) -> tuple[bytes, int, int | None] | None:
+        """Drops the least recently used entry nobody references: (its hash, its page, its snapshot slot or None)."""
         for h, entry in self.entries.items():
             if entry.refs == 0:
                 del self.entries[h]
                 del self.by_page[entry.page]
-                return entry.page, entry.snapshot
+                return h, entry.page, entry.snapshot
         return None
 
-    def evict_snapshot(self) -> int | None:
+    def evict_snapshot(self) -> tuple[bytes, int] | None:
         """Frees the least recently used snapshot slot no pin protects (a copy: requests that resumed
-        from it hold their own state; the pages stay cached)."""
-        for entry in self.entries.values():
+        from it hold their own state; the pages stay cached): (its entry's hash, the slot)."""
+        for h, entry in self.entries.items():
             if entry.snapshot is not None and not entry.pins:
                 slot, entry.snapshot = entry.snapshot, None
-                return slot
+                return h, slot
         return None
 
     @property

@@ -88,8 +88,13 @@ class Runner:
     """Owns the cache pools; `run` is one step over the given rows."""
 
     def __init__(self, model: K3Model, layout: CacheLayout, *, max_model_len: int, kv_cache_dtype=None,
-                 taps: TapSpec | None = None, embed_width: int | None = None):
+                 taps: TapSpec | None = None, embed_width: int | None = None, offload=None):
+        """offload: the prefix cache's host tier (serve/kv_offload.py), whose staged copies land before
+        a step or a slot copy writes the pools."""
         self.spans_processes = multihost.spans_processes(model.mesh)  # the leader announces every step
+        if offload is not None and self.spans_processes:  # its gather and scatter would need every process
+            raise ValueError("kv_offload_bytes: not on a mesh that spans several processes")
+        self.offload = offload
         self.model = model
         self.layout = layout
         self.taps = taps  # the hidden states a speculator reads: every step then returns them
@@ -116,6 +121,7 @@ class Runner:
         embeds: float32 values [num_rows, num_tokens, H] and a bool mask [num_rows, num_tokens], the
         embeddings that replace the tokens' where the mask is set (a runner with `embed_width`, steps
         of more than one token; None: no image in the step)."""
+        self._transfer()
         arrays = self._arrays(rows, num_rows, num_tokens) + self._override(embeds, num_tokens)
         if device_tokens is not None:
             if self.spans_processes:
@@ -184,6 +190,9 @@ class Runner:
 
     def copy_slot(self, source: int, target: int) -> None:
         """Copies a KDA slot: a prefix-cache snapshot into a request's slot, or the other way round."""
+        # evicted snapshots out first; restores land at the step, after every copy from a snapshot
+        # slot that a restore into a request's slot (evicted and reused this step) would overwrite
+        self._transfer(restores=False)
         if self.spans_processes:
             multihost.announce(multihost.COPY_SLOT, np.array([source, target], np.int32))
         self._copy(source, target)
@@ -191,6 +200,13 @@ class Runner:
     def _copy(self, source, target) -> None:
         with self._mesh():  # host scalars: valid arguments on a mesh spanning several processes
             self.pools = _copy_slot(self.pools, np.int32(source), np.int32(target))
+
+    def _transfer(self, restores: bool = True) -> None:
+        """The host tier's staged copies: evicted pages and snapshots out before their page or slot is
+        written again, restored ones in before a step reads them."""
+        if self.offload is not None and self.offload.pending:
+            with self._mesh():
+                self.pools = self.offload.transfer(self.pools, restores)
 
     def follow(self, speculator=None) -> None:
         """A follower process of a multi-host server (serve.multihost): runs every step the leader

@@ -168,7 +168,8 @@ class Scheduler:
                 break
             request.slot = slot
             if self.prefix_cache is not None:
-                request.hashes, request.pages, request.restore_from = self.prefix_cache.lookup(request.cache_tokens)
+                request.hashes, request.pages, request.restore_from = self.prefix_cache.lookup(
+                    request.cache_tokens, lambda chain, hit: self.allocator.restore(chain, hit, slot))
                 request.computed = request.num_cached_tokens = len(request.pages) * self.page_size
             chunk = self._chunk(request, budget)
             if not chunk:
