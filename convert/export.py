@@ -2,7 +2,8 @@
 `convert.hf_params`, through the same table (`convert.layout`), so writer and reader cannot drift.
 
 Used for the embedded k3-tiny that `k3jax.train` trains: its fp32 parameters (experts as plain
-arrays) become bf16 safetensors with MXFP4 experts, exactly what a published K3 checkpoint holds.
+arrays) become bf16 safetensors with MXFP4 experts, exactly what a published K3 checkpoint holds;
+and for its DSpark draft (`write_draft`, by `convert.dspark_layout`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from convert import layout, mxfp4
+from convert.dspark_layout import CONFIDENCE_PREFIX, draft_tensors
 from convert.reader import SafetensorsReader
 from convert.synth import write_tokenizer
 from convert.vision_layout import PREFIXES as VISION_PREFIXES
 from convert.vision_layout import vision_rules
 from k3jax.config import K3Config
+from k3jax.dspark.config import DSparkConfig
 from k3jax.vision.config import VisionConfig
 
 _NUMPY_DTYPES = {layout.BF16: ml_dtypes.bfloat16, layout.F32: np.float32}
@@ -99,3 +102,20 @@ def add_vision_tensors(out_dir: str | os.PathLike, cfg: VisionConfig, params: di
     tensors = {name: reader.read(name) for name in reader.names() if not name.startswith(VISION_PREFIXES)}
     tensors.update(vision_checkpoint_tensors(cfg, params))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_draft(out_dir: str | os.PathLike, draft_config: dict, params: dict[tuple, np.ndarray]) -> None:
+    """A DSpark draft checkpoint from the draft module's parameters by path: config.json and bf16
+    safetensors by `convert.dspark_layout`'s names (linears stored [out, in]; the confidence head,
+    when enabled, fp32): the inverse of `k3jax.dspark.loading.load_draft`."""
+    cfg = DSparkConfig.from_dict(draft_config)
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for name, tensor in draft_tensors(cfg).items():
+        value = np.asarray(params[tensor.path], np.float32)
+        value = value.T if tensor.transpose else value
+        dtype = np.float32 if name.startswith(CONFIDENCE_PREFIX) else ml_dtypes.bfloat16
+        tensors[name] = np.ascontiguousarray(value, dtype)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(draft_config, f, indent=2)

@@ -1,6 +1,6 @@
 """python -m k3jax.train: trains the embedded k3-tiny and writes it where `LLM()` loads it by default.
 
-    python -m k3jax.train [--out k3jax/weights] [--steps 120] [--seed 0] [--stage text|vision|all]   (make weights)
+    python -m k3jax.train [--out k3jax/weights] [--steps 120] [--seed 0] [--stage text|vision|all|draft]   (make weights)
 
 Two stages. The text stage trains the decoder on the chat corpus and writes OUT/k3-tiny (config.json,
 bf16 safetensors with MXFP4 experts, the byte-level tokenizer) and OUT/k3-tiny/training.json: the
@@ -12,7 +12,9 @@ checkpoint with the tower and adds to training.json its options, time, losses, t
 accuracy and the text figures measured again. `--stage vision` runs the vision stage alone on the
 text stage's checkpoint already in OUT. The shipped k3-tiny is the text stage's alone (the default):
 at its present budget the vision stage's captions stay at chance and the tuned text model's held-out
-perplexity rises (2.68 -> 2.75), so it is not shipped yet. Deterministic given the seed (on one
+perplexity rises (2.68 -> 2.75), so it is not shipped yet. `--stage draft` distills the DSpark draft
+for the checkpoint in OUT (`k3jax.train.draft`) and writes OUT/k3-tiny-dspark with its training.json.
+Deterministic given the seed (on one
 machine: XLA:CPU's reductions are fixed for a given instruction set).
 """
 
@@ -30,12 +32,15 @@ from flax import nnx
 
 from convert import export
 from k3jax.loading import from_pretrained
-from k3jax.presets import PRESETS
-from k3jax.train import corpus, metrics, vision
+from k3jax.dspark.config import DSparkConfig
+from k3jax.dspark.model import shared_head
+from k3jax.presets import DRAFT_PRESETS, PRESETS
+from k3jax.train import corpus, draft, metrics, vision
 from k3jax.train.target import TrainOptions, pretrained, train, training_config
 from k3jax.vision.config import ImageProcessorConfig, vision_config
 
 MODEL = "k3-tiny"
+DRAFT = "k3-tiny-dspark"
 WEIGHTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights")
 
 
@@ -104,15 +109,47 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=WEIGHTS)
     parser.add_argument("--steps", type=int, default=TrainOptions.steps)
     parser.add_argument("--seed", type=int, default=TrainOptions.seed)
-    parser.add_argument("--stage", choices=("text", "vision", "all"), default="text",
-                        help="text (the shipped weights), vision (on the text stage's checkpoint in OUT), or both")
+    parser.add_argument("--stage", choices=("text", "vision", "all", "draft"), default="text",
+                        help="text (the shipped weights), vision (on the text stage's checkpoint in OUT), both, "
+                             "or draft (the DSpark draft, distilled from the checkpoint in OUT)")
     parser.add_argument("--vision-steps", type=int, default=vision.VisionOptions.steps)
+    parser.add_argument("--draft-steps", type=int, default=draft.DraftOptions.steps)
     args = parser.parse_args(argv)
+    if args.stage == "draft":
+        report = draft_stage(args.out, draft.DraftOptions(steps=args.draft_steps, seed=args.seed))
+        print(json.dumps({k: v for k, v in report.items() if k != "loss"}, indent=1))
+        return
     if args.stage != "vision":
         text_stage(args.out, TrainOptions(steps=args.steps, seed=args.seed))
     if args.stage != "text":
         report = vision_stage(args.out, vision.VisionOptions(steps=args.vision_steps, seed=args.seed))
         print(json.dumps({k: v for k, v in report["vision"].items() if not k.endswith("loss")}, indent=1))
+
+
+def draft_stage(out: str, options: draft.DraftOptions) -> dict:
+    """Distills the k3-tiny-dspark draft from OUT/k3-tiny as served (fp32 activations) and writes it
+    to OUT/k3-tiny-dspark with training.json (options, data and training time, losses, the last
+    step's accuracy by block offset)."""
+    target = from_pretrained(os.path.join(out, MODEL), dtype="float32")
+    cfg = DSparkConfig.from_dict(DRAFT_PRESETS[DRAFT])
+    tokenizer = corpus.byte_tokenizer(training_config(PRESETS[MODEL]))
+    start = time.time()
+    data = draft.distillation_data(target, cfg, tokenizer, corpus.conversations(False, options.seed)[:options.prompts],
+                                   options.new_tokens)
+    data_seconds, start = time.time() - start, time.time()
+    module, history = draft.train(cfg, shared_head(target), data, options)
+    report = {"options": dataclasses.asdict(options), "data_seconds": round(data_seconds, 1),
+              "train_seconds": round(time.time() - start, 1), "loss": [round(x, 4) for x in history["loss"]],
+              "last_accuracy_by_offset": [round(x, 3) for x in history["last_accuracy"]]}
+    path, partial = os.path.join(out, DRAFT), os.path.join(out, f".{DRAFT}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    export.write_draft(partial, DRAFT_PRESETS[DRAFT], {k: np.asarray(v.get_value())
+                                                        for k, v in nnx.to_flat_state(nnx.state(module))})
+    with open(os.path.join(partial, "training.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(partial, path)
+    return report
 
 
 def text_stage(out: str, options: TrainOptions) -> None:
