@@ -8,7 +8,8 @@ tokens and logprobs must be those of the same request whose prefix stayed on the
 without the tier, run twice in a row), and the reference's (tests/agreement.py). Without the tier
 (budget 0) the same sequence recomputes every prompt token. The tier's budget drops the least
 recently offloaded entries first, counted in bytes against the pool's page and slot sizes from the
-config; a lookup whose restore the full pool cannot take recomputes instead.
+config; a lookup whose restore the full pool cannot take recomputes instead; fp8 pages go to the host
+as stored and come back to give the fp8 device hit's numbers.
 """
 
 import jax
@@ -138,3 +139,19 @@ def test_the_host_budget_drops_the_oldest_entries_first(model):  # noqa: F811
     tier.stage(hashes[7], 8, None)  # one more page: the oldest left goes
     pools = tier.transfer(pools)
     assert list(tier.entries) == hashes[3:8] and tier.nbytes == 5 * expected_page + expected_slot
+
+
+def test_fp8_pages_restore_as_stored(model):  # noqa: F811
+    """fp8 pages go to the host and back as stored: the restored request's tokens and logprobs are
+    those of the same request whose fp8 prefix stayed on the device."""
+    engines = {budget: Engine(model, EngineOptions(**OPTIONS, kv_cache_dtype="fp8", kv_offload_bytes=budget))
+               for budget in (0, 1 << 30)}
+    prompt = np.random.default_rng(5).integers(0, 512, PROMPT).tolist()
+    run(engines[0], prompt)
+    on_device, _, _ = run(engines[0], prompt)
+    run(engines[1 << 30], prompt)
+    other_traffic(engines[1 << 30], np.random.default_rng(6))
+    assert next(iter(engines[1 << 30].offload.entries.values())).page.dtype == np.dtype(jax.numpy.float8_e4m3fn)
+    restored, computed, pages = run(engines[1 << 30], prompt)
+    assert (pages, computed) == ((PROMPT - 1) // PAGE, PROMPT - (PROMPT - 1) // PAGE * PAGE)
+    assert restored.token_ids == on_device.token_ids and restored.logprobs == on_device.logprobs
