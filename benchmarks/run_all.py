@@ -33,6 +33,7 @@ BENCHMARKS = (
     "kda_chunked_vs_recurrent",
     "sequence_parallel_prefill",
     "session_retention",
+    "kv_offload",
     "decode_compile_time",
     "dspark_speedup",
     "eval_loglikelihood",
