@@ -1,16 +1,21 @@
 """Speculative decoding on k3-tiny (fp32, CPU): the cost of one verify step (a window of 8), of the KDA
 commit that replays the accepted tokens, and of one proposal by the synthetic DSpark draft, each
-against one decode step at batch 1, 8 and 32; and end-to-end greedy tokens/s with an oracle drafter (it
-proposes the target's own continuation, so every draft is accepted) against plain decoding.
+against one decode step at batch 1, 8 and 32; end-to-end greedy tokens/s with an oracle drafter (it
+proposes the target's own continuation, so every draft is accepted) against plain decoding; and the
+trained draft (k3jax/weights/k3-tiny-dspark, `python -m k3jax.train --stage draft`) beside the
+trained k3-tiny on held-out chat prompts, against plain decoding in the same run at batch 1 and 8.
 
-    python -m benchmarks.dspark_speedup
+    python -m benchmarks.dspark_speedup [--only trained] [--draft DIR]
 
 The oracle isolates what the engine's speculative path costs and gains (verify, accept, KDA commit,
-host bookkeeping); a trained DSpark draft adds its own forward and accepts fewer.
+host bookkeeping); the trained draft adds its own forward and accepts fewer.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
 import tempfile
 import time
 
@@ -20,10 +25,15 @@ import numpy as np
 from benchmarks.report import report
 from convert import synth
 from k3jax.config import K3Config
+from k3jax.loading import from_pretrained
 from k3jax.model import K3Model
+from k3jax.presets import PRESETS
+from k3jax.train import corpus
+from k3jax.train.target import training_config
 from serve.cache import CacheLayout
 from serve.dspark.speculator import DSparkSpeculator, ScriptedSpeculator
 from serve.engine import Engine, EngineOptions
+from serve.llm import default_model_dir
 from serve.runner import Runner
 from serve.sampling import SamplingParams
 from serve.scheduler import Request
@@ -100,13 +110,68 @@ def end_to_end_rows(model) -> list[dict]:
              "mean_accepted_length": stats["spec_mean_accepted_length"]}]
 
 
-def main() -> None:
-    model = K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0)
-    report("dspark_verify_cost", step_rows(model),
-           note=f"k3-tiny fp32, {REPEATS} runs, median; a window of {K + 1} after 64 cached tokens; "
-                f"commit replays {K // 2 + 1} tokens; the k3-tiny-dspark draft proposes {K}")
-    report("dspark_oracle_speedup", end_to_end_rows(model),
-           note=f"k3-tiny fp32, greedy, {NEW_TOKENS} tokens, K={K}, oracle drafter; median of 3")
+def timed(engine, prompts) -> tuple[list[list[int]], float, dict]:
+    """Greedy outputs of `prompts` run together, their wall time and the engine's speculative
+    counters over this run alone."""
+    before = engine.stats()
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)]
+                              * len(prompts))
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    return [o.token_ids for o in outputs], seconds, {k: after[k] - before.get(k, 0) for k in
+                                                     ("spec_num_drafts", "spec_num_accepted_tokens") if k in after}
+
+
+def trained_rows(draft_dir: str) -> list[dict]:
+    """The trained draft against plain decoding, both on the trained k3-tiny (fp32), greedy, on the
+    first 8 held-out chat prompts: batch 1 runs the first two one at a time, batch 8 all eight together.
+    Each engine runs everything once untimed first (compiles), then timed."""
+    target = from_pretrained(default_model_dir(), dtype="float32")
+    tokenizer = corpus.byte_tokenizer(training_config(PRESETS["k3-tiny"]))
+    prompts = [c.prompt(tokenizer) for c in corpus.conversations(True, 0)[:8]]
+    options = EngineOptions(max_model_len=1024, max_num_seqs=8, block_size=16)
+    spec_options = dataclasses.replace(options, speculative_config={
+        "method": "dspark", "model": draft_dir, "num_speculative_tokens": K})
+    runs = {1: [prompts[:1], prompts[1:2]], 8: [prompts]}
+    figures = {}
+    for name, engine_options in (("plain", options), ("draft", spec_options)):
+        engine = Engine(target, engine_options)
+        for batch, groups in runs.items():
+            for group in groups:
+                timed(engine, group)
+            results = [timed(engine, group) for group in groups]
+            figures[name, batch] = ([t for r in results for t in r[0]], sum(r[1] for r in results),
+                                    {k: sum(r[2][k] for r in results) for k in results[0][2]})
+    rows = []
+    for batch, groups in runs.items():
+        (plain_tokens, plain_s, _), (tokens, spec_s, counts) = figures["plain", batch], figures["draft", batch]
+        assert tokens == plain_tokens, "speculation changed the greedy output"
+        generated = sum(len(t) for t in tokens)
+        accepted = counts["spec_num_accepted_tokens"] / counts["spec_num_drafts"]
+        rows.append({"batch": batch, "new_tokens": generated, "plain_tok_s": generated / plain_s,
+                     "draft_tok_s": generated / spec_s, "speedup": plain_s / spec_s,
+                     "accepted_drafts_per_window": accepted, "mean_accepted_length": 1 + accepted})
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("trained",), help="run only the trained draft's figures")
+    parser.add_argument("--draft", default=os.path.join(os.path.dirname(default_model_dir()), "k3-tiny-dspark"),
+                        help="the trained draft's checkpoint directory")
+    args = parser.parse_args(argv)
+    if args.only is None:
+        model = K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0)
+        report("dspark_verify_cost", step_rows(model),
+               note=f"k3-tiny fp32, {REPEATS} runs, median; a window of {K + 1} after 64 cached tokens; "
+                    f"commit replays {K // 2 + 1} tokens; the k3-tiny-dspark draft proposes {K}")
+        report("dspark_oracle_speedup", end_to_end_rows(model),
+               note=f"k3-tiny fp32, greedy, {NEW_TOKENS} tokens, K={K}, oracle drafter; median of 3")
+    report("dspark_trained_speedup", trained_rows(args.draft),
+           note=f"trained k3-tiny fp32 and the trained k3-tiny-dspark draft, greedy, {NEW_TOKENS} tokens per "
+                f"held-out chat prompt, K={K}; batch 1: 2 prompts one at a time, batch 8: 8 together; one timed run "
+                "after an untimed one; mean_accepted_length counts the target's own token")
 
 
 if __name__ == "__main__":
