@@ -32,7 +32,7 @@ from serve.chat.tokenizer import Tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class DraftOptions:
-    steps: int = 300
+    steps: int = 200
     batch: int = 8  # sequences per step
     anchors: int = 16  # blocks per sequence per step
     lr: float = 3e-3
