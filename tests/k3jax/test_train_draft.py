@@ -17,6 +17,7 @@ from k3jax.presets import DRAFT_PRESETS
 from k3jax.train import draft
 
 NEW_TOKENS = 12
+PADDED = 32  # every reference forward's length: the longest prompt (14) and its NEW_TOKENS fit
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,10 @@ def test_labels_are_the_targets_greedy_tokens_at_each_offset(setup):
     k = cfg.block_size
     for row, prompt in enumerate(prompts):
         greedy = list(prompt)  # the reference: the full forward over the whole sequence, one token at a time
-        for _ in range(NEW_TOKENS):
-            greedy.append(int(np.argmax(target.logits([greedy])[0, -1])))
+        for _ in range(NEW_TOKENS):  # padded to one length (one compile), its real length given
+            padded = np.zeros((1, PADDED), np.int32)
+            padded[0, :len(greedy)] = greedy
+            greedy.append(int(np.argmax(target.logits(padded, [len(greedy)])[0, len(greedy) - 1])))
         assert data.tokens[row, :data.lengths[row]].tolist() == greedy
         anchors = np.arange(len(prompt), len(greedy) - 1, dtype=np.int32)[None]
         labels, weights = draft.distillation_labels(jnp.asarray(data.tokens[row:row + 1]),
