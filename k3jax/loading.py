@@ -28,6 +28,12 @@ from sharding.axes import named_sharding
 from sharding.mesh import as_mesh
 
 
+def embedded_dir(name: str) -> str:
+    """The directory of a checkpoint shipped inside the package (k3jax/weights/NAME: k3-tiny, its
+    DSpark draft k3-tiny-dspark)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", name)
+
+
 def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> K3Model:
     """Loads K3 or Kimi Linear from `path` (Hugging Face safetensors or a `python -m convert` output),
     with the vision tower as `model.vision` when the checkpoint has one (else None).

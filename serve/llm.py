@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import os
 
-import k3jax
-from k3jax.loading import from_pretrained
+from k3jax.loading import embedded_dir, from_pretrained
 from serve.chat.encoding import tokenize_messages
 from serve.engine import Engine, EngineOptions, RequestOutput
 from serve.multimodal import chat_prompt, expand_images, load_image
@@ -30,7 +29,7 @@ def cache_root() -> str:
 def default_model_dir() -> str:
     """The embedded model's checkpoint directory: k3-tiny trained on Python's reference text in K3's
     chat format (`python -m k3jax.train` writes it), shipped inside the package."""
-    return os.path.join(os.path.dirname(os.path.abspath(k3jax.__file__)), "weights", DEFAULT_MODEL)
+    return embedded_dir(DEFAULT_MODEL)
 
 
 def load_tokenizer(path: str):

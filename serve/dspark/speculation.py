@@ -19,10 +19,12 @@ and sampled output follows the target's distribution.
 from __future__ import annotations
 
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.loading import embedded_dir
 from serve import sampling
 from serve.dspark import rejection
 from serve.dspark.speculator import DSparkSpeculator
@@ -86,7 +88,16 @@ def parse_config(config: dict | str) -> dict:
     method = config.get("draft_sample_method", "greedy")
     if method not in DRAFT_SAMPLE_METHODS:
         raise ValueError(f"speculative_config.draft_sample_method {method!r} is not one of {DRAFT_SAMPLE_METHODS}")
-    return {"method": "dspark", "model": config["model"], "num_speculative_tokens": k, "draft_sample_method": method}
+    return {"method": "dspark", "model": draft_dir(config["model"]), "num_speculative_tokens": k,
+            "draft_sample_method": method}
+
+
+def draft_dir(model: str) -> str:
+    """A draft checkpoint directory as given, or, when no such directory exists, the draft of that
+    name shipped with the package ("k3-tiny-dspark", the embedded k3-tiny's)."""
+    if os.path.isdir(model) or not os.path.isdir(embedded_dir(model)):
+        return model
+    return embedded_dir(model)
 
 
 def from_config(config: dict | str, model, kv_cache_dtype):

@@ -73,3 +73,23 @@ def test_a_bad_speculative_config_is_refused_naming_the_key(config, names, capsy
     with pytest.raises(SystemExit):
         parse_args(["--speculative-config", config])
     assert names in capsys.readouterr().err
+
+
+def test_the_shipped_draft_is_found_by_name(tmp_path, monkeypatch):
+    """"k3-tiny-dspark" names the draft shipped in k3jax/weights (a DSpark checkpoint that loads next
+    to the embedded k3-tiny); an existing directory of that name, or any other path, is taken as given."""
+    import json
+    import os
+
+    from k3jax.dspark.config import DSparkConfig
+    from serve.dspark.speculation import parse_config
+
+    found = parse_config({"model": "k3-tiny-dspark"})["model"]
+    assert os.path.isabs(found) and found.endswith(os.path.join("k3jax", "weights", "k3-tiny-dspark"))
+    with open(os.path.join(found, "config.json")) as f:
+        assert DSparkConfig.from_dict(json.load(f)).block_size >= 1
+    local = tmp_path / "k3-tiny-dspark"
+    local.mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert parse_config({"model": "k3-tiny-dspark"})["model"] == "k3-tiny-dspark"
+    assert parse_config({"model": "/no/such/draft"})["model"] == "/no/such/draft"
