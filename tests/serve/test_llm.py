@@ -30,9 +30,12 @@ def test_default_model_is_the_shipped_one_and_serves_text(llm):
     for o in out:
         assert len(o.token_ids) == 6 and o.finish_reason == "length"
         assert o.text == tokenizer.decode(o.token_ids, skip_special_tokens=True)
-    # no prefix cache, no speculation: nothing else to count; the steps run ahead (async scheduling) ran
+    # no prefix cache, no speculation: nothing else to count; every prompt token was computed, and the
+    # steps run ahead (async scheduling) ran
     stats = llm.stats()
-    assert set(stats) == {"num_preemptions", "num_steps_ahead"} and stats["num_steps_ahead"] > 0
+    assert set(stats) == {"num_preemptions", "num_steps_ahead", "num_computed_prompt_tokens"}
+    assert stats["num_computed_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in out)
+    assert stats["num_steps_ahead"] > 0
 
 
 def test_stop_string_cuts_the_text_where_it_starts(llm):

@@ -115,13 +115,17 @@ def test_response_format_json_schema_through_the_server(server):
         jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
     # thinking mode: the reasoning is free, the content after it constrained (a bias on <|close|>, id
     # 261 in k3-tiny, ends the reasoning soon; where the grammar bans it, the bias changes nothing)
-    reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "2+2?"}], max_tokens=300, seed=5,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-        logit_bias={"261": 5})
-    message = reply.choices[0].message
-    jsonschema.validate(json.loads(message.content), schema)
-    assert message.reasoning_content is not None or getattr(message, "reasoning", None) is not None
+    # Each seed's content validates; some seed's reasoning is not empty (one may close at once).
+    reasonings = []
+    for seed in range(5, 9):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "2+2?"}], max_tokens=300, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            logit_bias={"261": 5})
+        message = reply.choices[0].message
+        jsonschema.validate(json.loads(message.content), schema)
+        reasonings.append(message.reasoning_content or getattr(message, "reasoning", None))
+    assert any(reasonings)
 
 
 @pytest.mark.parametrize("parallel", [True, False])
