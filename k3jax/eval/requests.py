@@ -147,12 +147,18 @@ class Parser:
             request.rows.append(Row(tokens[begin:end], start, owner))
 
     def _generate(self, obj: dict, request: Request, owner: int):
+        given = [key for key in ("prompt", "prompt_ids", "messages") if key in obj]
+        if len(given) != 1:
+            raise BadLine("needs one of `prompt` (text), `prompt_ids` or `messages` (a chat)"
+                          + (f", not {' and '.join(given)}" if given else ""))
+        if "thinking" in obj and given != ["messages"]:
+            raise BadLine("`thinking` applies to `messages` only")
         if "prompt_ids" in obj:
             request.prompt = _ids(obj, "prompt_ids", self.vocab_size)
         elif "prompt" in obj:
             self._need_tokenizer("`prompt`")
             request.prompt = _text(obj, "prompt")
-        elif "messages" in obj:
+        else:
             self._need_tokenizer("`messages`")
             if not isinstance(obj["messages"], list) or not obj["messages"] or \
                     not all(isinstance(m, dict) for m in obj["messages"]):
@@ -160,11 +166,7 @@ class Parser:
             if not isinstance(obj.get("thinking", True), bool):
                 raise BadLine("`thinking` must be true or false")
             request.messages, request.thinking = obj["messages"], obj.get("thinking", True)
-            request.params = self._sampling_params(obj)
-            return
-        else:
-            raise BadLine("needs `prompt` (text), `prompt_ids` or `messages` (a chat)")
-        if not request.prompt:
+        if request.messages is None and not request.prompt:
             raise BadLine("empty prompt")
         request.params = self._sampling_params(obj)
 

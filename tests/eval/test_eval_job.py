@@ -351,7 +351,9 @@ def test_generate_reads_chats_with_images(setup, tmp_path):
              {"id": "file", "messages": chat(f"file://{media / 'seven.png'}"), "thinking": False,
               "sampling_params": params},
              {"id": "bad", "messages": chat("data:image/png;base64,bm90IGFuIGltYWdl"), "sampling_params": params},
-             {"id": "outside", "messages": chat(f"file://{root}/x.png"), "sampling_params": params}]
+             {"id": "outside", "messages": chat(f"file://{root}/x.png"), "sampling_params": params},
+             {"id": "both", "prompt": "hi", "messages": chat(png_url(noise(7))), "sampling_params": params},
+             {"id": "thinking", "prompt": "hi", "thinking": False, "sampling_params": params}]
     data, out = tmp_path / "chats.jsonl", tmp_path / "out.jsonl"
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
     evaluate(model, tokenizer, str(data), str(out),
@@ -375,6 +377,8 @@ def test_generate_reads_chats_with_images(setup, tmp_path):
     assert got["file"]["token_ids"] == got["a"]["token_ids"]
     assert got["bad"]["error"].startswith("messages[0].content[1]: ")
     assert "not under the allowed local media path" in got["outside"]["error"]
+    assert "not prompt and messages" in got["both"]["error"]  # neither silently dropped
+    assert "`thinking` applies to `messages` only" in got["thinking"]["error"]
 
 
 
