@@ -14,7 +14,7 @@ from k3jax.config import K3Config
 from k3jax.decoder import DecodeState
 from k3jax.layers.kda import KDACache
 from k3jax.layers.mla import MLACache, MLAPages
-from pallas_kernels.moe import SPLIT_MIN_BYTES, SplitExperts, split_experts
+from pallas_kernels.moe import SPLIT_MIN_BYTES, SplitExperts, split_experts, split_gate_up
 from sharding.axes import named_sharding
 from sharding.mesh import DATA, MODEL
 
@@ -61,20 +61,30 @@ def split_routed_experts(params: nnx.State, min_bytes: int = SPLIT_MIN_BYTES) ->
     """The routed experts' stacked [E, out, in] weights as SplitExperts, one buffer per expert, where
     one expert's matrix holds at least `min_bytes` (MXFP4: codes and scales together): the layout the
     XLA expert loop reads in place on CPU (pallas_kernels/moe/split_experts.py, which measured where
-    splitting starts to pay)."""
-    flat = nnx.to_flat_state(params)
+    splitting starts to pay). The gate (w1) and up (w3) weights are split together, w1 holding both
+    and w3 the placeholder."""
+    flat = dict(nnx.to_flat_state(params))
     routed = {("experts", w) for w in ("w1", "w2", "w3")}  # RoutedExperts' weights: arrays, or MXFP4's two
 
     def weight(path):  # the routed weight an array belongs to (MXFP4's codes and scales one level down), or None
         return next((tuple(path[:i]) for i in (len(path), len(path) - 1) if tuple(path[i - 2:i]) in routed), None)
 
     expert_bytes = collections.Counter()
-    for path, v in flat:
+    for path, v in flat.items():
         value = v.get_value()
         if weight(path) and not isinstance(value, SplitExperts):
             expert_bytes[weight(path)] += value.nbytes // value.shape[0]
-    return nnx.from_flat_state([(path, v.replace(split_experts(v.get_value()))
-                                 if expert_bytes[weight(path)] >= max(min_bytes, 1) else v) for path, v in flat])
+    for path, v in list(flat.items()):
+        w = weight(path)
+        if w is None or expert_bytes[w] < max(min_bytes, 1):
+            continue
+        if w[-1] == "w2":
+            flat[path] = v.replace(split_experts(v.get_value()))
+        elif w[-1] == "w1":  # w1 and w3 share the path but for the weight's name
+            up_path = (*w[:-1], "w3", *path[len(w):])
+            fused, placeholder = split_gate_up(v.get_value(), flat[up_path].get_value())
+            flat[path], flat[up_path] = v.replace(fused), flat[up_path].replace(placeholder)
+    return nnx.from_flat_state(list(flat.items()))
 
 
 def put(value, sharding):

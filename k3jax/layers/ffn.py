@@ -110,7 +110,7 @@ def _value(w):
         return w.get_value()
     packed, scales = w.packed.get_value(), w.scales.get_value()
     if isinstance(packed, SplitExperts):
-        return SplitExperts(tuple(map(Mxfp4Tensor, packed.experts, scales.experts)))
+        return SplitExperts(tuple(map(Mxfp4Tensor, packed.experts, scales.experts)), packed.gate_up)
     return Mxfp4Tensor(packed, scales)
 
 

@@ -2,7 +2,8 @@
 
 Expert weights are [E, out, in] in the checkpoint's orientation, each either an `Mxfp4Tensor` (K3)
 or a plain array (Kimi Linear): w_gate and w_up [E, F, D], w_down [E, D, F]; or `SplitExperts` of
-those (one buffer per expert, the CPU layout: XLA only). Matmuls accumulate in
+those (one buffer per expert, the CPU layout: XLA only), the gate and up weights possibly split
+together (`split_gate_up`: w_gate holds both, w_up is its placeholder). Matmuls accumulate in
 fp32 on weights decoded to the activation dtype; the activation runs in fp32 and is cast to the
 activation dtype before the down projection (ARCHITECTURE.md, "MoE and LatentMoE").
 
@@ -74,7 +75,7 @@ def _implementation(impl: str, op: str, tuning: dict, w_gate):
     if impl == "pallas":
         return functools.partial(getattr(pallas_triton, op), interpret=not dispatch.on_gpu(), **tuning)
     if impl == "reference":
-        return lambda *args, activation: getattr(reference, op)(*args[:-3], *map(stacked, args[-3:]),
+        return lambda *args, activation: getattr(reference, op)(*args[:-3], *stacked(*args[-3:]),
                                                                 activation=activation)
     return getattr(xla, op)
 
@@ -87,6 +88,14 @@ def _check_weights(x, w_gate, w_up, w_down):
         raise ValueError(f"x has shape {tuple(x.shape)}; expected [rows, {d}] to match w_gate {tuple(w_gate.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must be floating point (bf16 or f32), got {x.dtype}")
-    if tuple(w_up.shape) != (e, f, d) or tuple(w_down.shape) != (e, d, f):
-        raise ValueError(f"expert weights disagree: w_gate {tuple(w_gate.shape)}, w_up {tuple(w_up.shape)}, "
+    fused = isinstance(w_gate, SplitExperts) and w_gate.gate_up
+    if fused != (isinstance(w_up, SplitExperts) and w_up.is_placeholder):
+        raise ValueError("gate and up weights split together (split_gate_up) go as the fused gate weight and the "
+                         "placeholder up weight, both or neither")
+    if (not fused and tuple(w_up.shape) != (e, f, d)) or tuple(w_down.shape) != (e, d, f):
+        raise ValueError(f"expert weights disagree: w_gate {tuple(w_gate.shape)}, w_up {_shape(w_up)}, "
                          f"w_down {tuple(w_down.shape)}; expected [E, F, D], [E, F, D] and [E, D, F]")
+
+
+def _shape(w):
+    return "(split together with w_gate)" if isinstance(w, SplitExperts) and w.is_placeholder else tuple(w.shape)

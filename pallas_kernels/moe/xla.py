@@ -13,6 +13,7 @@ Two strategies for the grouped matmuls:
 
 Weights held as `SplitExperts` (one buffer per expert, the CPU layout) run the loop unrolled over
 the experts instead, each reading its own buffer in place; an expert without rows runs no tile.
+Gate and up split together (`split_gate_up`) run as one product.
 """
 
 from __future__ import annotations
@@ -83,15 +84,16 @@ def _ragged_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
 
 
 def _tile_rows(m: int, num_experts: int) -> int:
-    """Rows per tile: the power of two (8..512) at or above the mean group size, at most m. Each
-    non-empty group wastes less than one tile, so this keeps the waste near the useful work. With no
-    more rows than experts (decode), one row: XLA:CPU runs a one-row product against the [out, in]
-    weight as a matrix-vector product, and a 4-row tile of one real row took 1.7x as long (4 routed
-    rows over 32 experts of 512 x 1024, fp32: 4.7 against 2.8 ms)."""
+    """Rows per tile. With no more rows than experts (decode), one row: a one-row product is a
+    matrix-vector product, which XLA:CPU runs on both cores once the weight passes about 2 MiB
+    (split_experts.py), while YNNPACK's products of 2 to 8 rows read a [1024, 1024] fp32 weight from
+    memory at only 7-10 GB/s. Otherwise the power of two at or above the mean group size, at least 16
+    (YNNPACK's 8-row product took 582 us there against 474 us for 16 rows), at most 512 and m; each
+    non-empty group wastes less than one tile."""
     if m <= num_experts:
         return 1
     mean = -(-m // num_experts)
-    return min(m, max(8, min(512, 1 << (mean - 1).bit_length())))
+    return min(m, max(16, min(512, 1 << (mean - 1).bit_length())))
 
 
 def _loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
@@ -103,8 +105,9 @@ def _loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
 
     def one_expert(i, out):
         e = active[i]
-        weights = (_dense(_take(w, e), x_MD.dtype) for w in (w_gate, w_up, w_down))
-        return _expert_rows(x_MD, out, ends[e] - group_sizes[e], ends[e], tile, *weights, activation)
+        gate_FD, up_FD, down_DF = (_dense(_take(w, e), x_MD.dtype) for w in (w_gate, w_up, w_down))
+        hidden = functools.partial(_gated, gate_FD, up_FD, activation)
+        return _expert_rows(x_MD, out, ends[e] - group_sizes[e], ends[e], tile, hidden, down_DF)
 
     return jax.lax.fori_loop(0, num_active, one_expert, jnp.zeros_like(x_MD))  # padding rows stay 0
 
@@ -113,9 +116,15 @@ def _split_loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
     m, num_experts = x_MD.shape[0], group_sizes.shape[0]
     tile = _tile_rows(m, num_experts)
     ends = jnp.cumsum(group_sizes)
+
     def one_expert(e, out):
-        weights = (_dense(w.experts[e], x_MD.dtype) for w in (w_gate, w_up, w_down))
-        return _expert_rows(x_MD, out, ends[e] - group_sizes[e], ends[e], tile, *weights, activation)
+        if w_gate.gate_up:  # [gate; up] in one buffer: one product for both
+            gate_up_2FD = _dense(w_gate.experts[e], x_MD.dtype)
+            hidden = functools.partial(_gated_fused, gate_up_2FD, activation)
+        else:
+            hidden = functools.partial(_gated, *(_dense(w.experts[e], x_MD.dtype) for w in (w_gate, w_up)), activation)
+        down_DF = _dense(w_down.experts[e], x_MD.dtype)
+        return _expert_rows(x_MD, out, ends[e] - group_sizes[e], ends[e], tile, hidden, down_DF)
 
     out = jnp.zeros_like(x_MD)  # padding rows stay 0
     for e in range(num_experts):  # an expert without rows skips its dequantization too
@@ -123,22 +132,34 @@ def _split_loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
     return out
 
 
-def _expert_rows(x_MD, out_MD, start, end, tile, w_gate_FD, w_up_FD, w_down_DF, activation):
-    """out_MD with its rows [start, end) set to one expert's FFN of x_MD's, run in `tile`-row tiles."""
+def _gated(gate_FD, up_FD, activation, x_TD):
+    gate_TF = jax.lax.dot_general(x_TD, gate_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+    up_TF = jax.lax.dot_general(x_TD, up_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+    return activation(gate_TF, up_TF).astype(x_TD.dtype)
+
+
+def _gated_fused(gate_up_2FD, activation, x_TD):
+    gate_up_T2F = jax.lax.dot_general(x_TD, gate_up_2FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+    f = gate_up_2FD.shape[0] // 2
+    return activation(gate_up_T2F[:, :f], gate_up_T2F[:, f:]).astype(x_TD.dtype)
+
+
+def _expert_rows(x_MD, out_MD, start, end, tile, hidden, w_down_DF):
+    """out_MD with its rows [start, end) (at least one) set to one expert's FFN of x_MD's, run in
+    `tile`-row tiles; hidden(x [tile, D]) -> [tile, F]. The first tile runs outside the loop:
+    XLA:CPU compiles a loop this small into one function whose products are its own code on one
+    core, where outside it they are library calls (both cores for large weights)."""
     m = x_MD.shape[0]
 
     def one_tile(j, out):
         first = start + j * tile
         at = jnp.minimum(first, m - tile)  # the last tile slides back to stay inside x
         rows = at + jnp.arange(tile)
-        x_tile_D = jax.lax.dynamic_slice_in_dim(x_MD, at, tile)
-        gate_F = jax.lax.dot_general(x_tile_D, w_gate_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-        up_F = jax.lax.dot_general(x_tile_D, w_up_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-        hidden_F = activation(gate_F, up_F).astype(x_MD.dtype)
-        y = jax.lax.dot_general(hidden_F, w_down_DF, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+        hidden_TF = hidden(jax.lax.dynamic_slice_in_dim(x_MD, at, tile))
+        y = jax.lax.dot_general(hidden_TF, w_down_DF, _CONTRACT_LAST, preferred_element_type=jnp.float32)
         y = y.astype(x_MD.dtype)  # [tile, D]
         mine = ((rows >= first) & (rows < end))[:, None]  # leave other groups' rows untouched
         y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, at, tile))
         return jax.lax.dynamic_update_slice_in_dim(out, y, at, axis=0)
 
-    return jax.lax.fori_loop(0, (end - start + tile - 1) // tile, one_tile, out_MD)
+    return jax.lax.fori_loop(1, (end - start + tile - 1) // tile, one_tile, one_tile(0, out_MD))

@@ -1,6 +1,6 @@
 """K3Model's CPU layout of the routed experts (k3jax.placement.split_routed_experts): one buffer per
-expert where an expert's matrix reaches the threshold, the same logits as the stacked layout, and
-the stack given back by pallas_kernels.moe.stacked."""
+expert where an expert's matrix reaches the threshold (gate and up together in one), the same
+logits as the stacked layout, and the stack given back by pallas_kernels.moe.stacked."""
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,13 @@ def test_split_layout_gives_the_stacked_logits(config):
     split = split_routed_experts(model.params, min_bytes=0)
     for path, value in routed(split).items():
         assert isinstance(value, SplitExperts), path
-        np.testing.assert_array_equal(np.asarray(stacked(value)), np.asarray(routed(model.params)[path]))
+        assert value.gate_up == (path[path.index("experts") + 1] in ("w1", "w3")), path
+    for layer in {path[:path.index("experts") + 1] for path in routed(split)}:
+        names = [p for p in routed(split) if p[:len(layer)] == layer]
+        for tail in {p[len(layer) + 1:] for p in names}:  # () for arrays, ("packed",) and ("scales",) for MXFP4
+            got = stacked(*(routed(split)[(*layer, w, *tail)] for w in ("w1", "w3", "w2")))
+            for w, array in zip(("w1", "w3", "w2"), got):
+                np.testing.assert_array_equal(np.asarray(array), np.asarray(routed(model.params)[(*layer, w, *tail)]))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (3, 10)), jnp.int32)
     lengths = jnp.asarray([10, 7, 4], jnp.int32)
     want = np.asarray(_logits(model.structure, model.params, tokens, lengths))

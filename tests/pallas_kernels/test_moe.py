@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.moe import Mxfp4Tensor, expert_ffn, moe_ffn, split_experts, stacked, xla
+from pallas_kernels.moe import Mxfp4Tensor, SplitExperts, expert_ffn, moe_ffn, split_experts, split_gate_up, stacked, xla
 from tests.convert.test_mxfp4 import np_decode
 
 E, F, D = 8, 32, 64
@@ -15,8 +15,11 @@ SITU = GatedActivation("situ", 4.0, 25.0)
 SILU = GatedActivation("silu")
 DTYPES = {"f32": (jnp.float32, np.float32), "bf16": (jnp.bfloat16, ml_dtypes.bfloat16)}
 # "loop" and "ragged_dot" are the two grouped-matmul strategies of impl="xla" (CPU uses "loop");
-# "split" is the loop over SplitExperts weights (one buffer per expert, large experts on CPU).
-IMPLS = ["loop", "split", "ragged_dot", "reference"]
+# "split" is the loop over SplitExperts weights (one buffer per expert, large experts on CPU), and
+# "split_gate_up" the same with each expert's gate and up in one buffer (K3Model's CPU layout).
+IMPLS = ["loop", "split", "split_gate_up", "ragged_dot", "reference"]
+SPLITS = {"split": lambda w1, w3, w2: tuple(map(split_experts, (w1, w3, w2))),
+          "split_gate_up": lambda w1, w3, w2: (*split_gate_up(w1, w3), split_experts(w2))}
 
 # Tolerances relative to the largest |output|. f32: fp32 sums of <= 64 products, a few 2**-24
 # roundings each. bf16: the hidden activation and each expert's output are rounded to bf16 (half
@@ -72,16 +75,16 @@ def inputs(dtype, rows, seed):
 def run_expert_ffn(impl, *args, activation):
     if impl == "reference":
         return expert_ffn(*args, activation=activation, impl="reference")
-    if impl == "split":
-        return xla.expert_ffn(*args[:-3], *map(split_experts, args[-3:]), activation=activation)
+    if impl in SPLITS:
+        return xla.expert_ffn(*args[:-3], *SPLITS[impl](*args[-3:]), activation=activation)
     return xla.expert_ffn(*args, activation=activation, strategy=impl)
 
 
 def run_moe_ffn(impl, *args, activation):
     if impl == "reference":
         return moe_ffn(*args, activation=activation, impl="reference")
-    if impl == "split":
-        return xla.moe_ffn(*args[:-3], *map(split_experts, args[-3:]), activation=activation)
+    if impl in SPLITS:
+        return xla.moe_ffn(*args[:-3], *SPLITS[impl](*args[-3:]), activation=activation)
     return xla.moe_ffn(*args, activation=activation, strategy=impl)
 
 
@@ -95,7 +98,7 @@ ALL_COMBOS = MAIN_COMBOS + [("mxfp4", "f32"), ("plain", "bf16")]
 
 
 # The weight kind and dtype handling is shared by the strategies: all combinations on the CPU default.
-@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in IMPLS for c in (ALL_COMBOS if i in ("loop", "split") else
+@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in IMPLS for c in (ALL_COMBOS if i in ("loop", *SPLITS) else
                                                                                   MAIN_COMBOS)])
 def test_moe_ffn_matches_numpy(impl, wkind, dtype):
     ws = weights(wkind)
@@ -116,9 +119,9 @@ def test_moe_ffn_matches_numpy(impl, wkind, dtype):
         assert_close(out, want, dtype)
 
 
-# (rows, group sizes): empty groups and padding rows past the sum; fewer rows than experts; a
-# group spanning several 8-row tiles, the last of which slides back over another group's rows; all
-# rows padding
+# (rows, group sizes): empty groups and padding rows past the sum; fewer rows than experts (one-row
+# tiles, a group of two running the loop past its first tile); a group spanning two 16-row tiles, the
+# last of which slides back over another group's rows; all rows padding
 GROUPS = [(9, [2, 0, 3, 0, 0, 1, 0, 1]), (6, [0, 2, 0, 0, 1, 0, 0, 1]), (20, [3, 0, 0, 0, 0, 0, 0, 17]),
           (5, [0] * 8)]
 
@@ -152,24 +155,33 @@ def test_xla_matches_reference_through_the_public_api():
 
 
 def test_split_experts_through_the_public_api():
-    """SplitExperts weights: "auto" runs the XLA loop, the reference stacks them, Pallas refuses them,
-    and splitting then stacking gives back the very arrays."""
+    """SplitExperts weights, apart and with gate and up together: "auto" runs the XLA loop, the
+    reference stacks them, Pallas refuses them, and splitting then stacking gives back the very
+    arrays; a fused gate without its placeholder (or the reverse) is an error that says so."""
     ws = weights("mxfp4", seed=5)
-    split = [split_experts(w) for w in ws]
-    for w, s in zip(ws, split):
-        assert s.shape == w.shape and len(s.experts) == E
-        for a, b in zip(jax.tree.leaves(stacked(s)), jax.tree.leaves(w)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     x, _ = inputs("bf16", 6, 5)
     ids = jnp.asarray(np.random.default_rng(5).integers(0, E, (6, 2)), jnp.int32)
     wts = jnp.asarray(np.random.default_rng(6).uniform(0, 1, (6, 2)), jnp.float32)
     want = moe_ffn(x, ids, wts, *ws, activation=SITU, impl="reference")
-    for impl in ("auto", "reference"):
-        assert_close(moe_ffn(x, ids, wts, *split, activation=SITU, impl=impl), np.asarray(want, np.float64), "bf16")
-    with pytest.raises(ValueError, match="SplitExperts"):
-        moe_ffn(x, ids, wts, *split, activation=SITU, impl="pallas")
-    with pytest.raises(ValueError, match="SplitExperts"):
-        xla.moe_ffn(x, ids, wts, *split, activation=SITU, strategy="ragged_dot")
+    for layout, split_fn in SPLITS.items():
+        split = split_fn(*ws)
+        assert [s.shape for s in split if not s.is_placeholder] == [w.shape for w in ws if layout == "split" or
+                                                                    w is not ws[1]]
+        assert all(len(s.experts) == E for s in split if not s.is_placeholder)
+        for a, b in zip(jax.tree.leaves(stacked(*split)), jax.tree.leaves(ws)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for impl in ("auto", "reference"):
+            assert_close(moe_ffn(x, ids, wts, *split, activation=SITU, impl=impl), np.asarray(want, np.float64),
+                         "bf16")
+        with pytest.raises(ValueError, match="SplitExperts"):
+            moe_ffn(x, ids, wts, *split, activation=SITU, impl="pallas")
+        with pytest.raises(ValueError, match="SplitExperts"):
+            xla.moe_ffn(x, ids, wts, *split, activation=SITU, strategy="ragged_dot")
+    fused, placeholder = split_gate_up(ws[0], ws[1])
+    assert fused.gate_up and placeholder.is_placeholder and isinstance(placeholder, SplitExperts)
+    for w_gate, w_up in [(fused, split_experts(ws[1])), (split_experts(ws[0]), placeholder)]:
+        with pytest.raises(ValueError, match="split together"):
+            moe_ffn(x, ids, wts, w_gate, w_up, split_experts(ws[2]), activation=SITU)
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])
