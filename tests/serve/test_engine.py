@@ -98,6 +98,7 @@ def test_preemption_when_pages_run_out_keeps_outputs(referee, engine):
     assert_pool_full(engine)
 
 
+@pytest.mark.isa_invariant
 def test_random_workload_with_aborts_returns_every_page_and_slot(engine):
     rng = np.random.default_rng(2)
     live, finished, aborted = [], set(), 0
@@ -139,6 +140,7 @@ class CountCompiles:
             self.count += 1
 
 
+@pytest.mark.isa_invariant
 def test_no_compilation_after_warmup(engine):
     with CountCompiles() as compiles:
         prompts, max_tokens = workload(3, 8, lengths=(1, 40))
@@ -151,6 +153,7 @@ def test_no_compilation_after_warmup(engine):
     assert ids and compiles.count == 0
 
 
+@pytest.mark.isa_invariant
 def test_background_warmup_compiles_every_shape_while_the_engine_serves(model):
     """warmup(background=True) compiles the first request's shapes, then the rest on a thread that
     runs no step: requests served meanwhile get the reference tokens, and once the thread is done

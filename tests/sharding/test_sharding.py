@@ -18,6 +18,7 @@ from tests.agreement import Referee
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 16, reason="needs the 16 fake CPU devices of tests/conftest.py")
 
 
+@pytest.mark.isa_invariant
 def test_mesh_strings_and_errors():
     assert parse_mesh("8x2") == {"model": 8, "data": 2} == parse_mesh("model=8, data=2")
     mesh = make_mesh("8x2")
@@ -30,6 +31,7 @@ def test_mesh_strings_and_errors():
         parse_mesh("8by2")
 
 
+@pytest.mark.isa_invariant
 def test_indivisible_meshes_are_named():
     cfg = K3Config.from_preset("k3-tiny")
     with pytest.raises(ValueError, match="8 KDA heads do not divide over model=3"):
@@ -43,6 +45,7 @@ def reference():
     return K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0)
 
 
+@pytest.mark.isa_invariant
 def test_every_parameter_follows_the_table(reference):
     model = K3Model.random(reference.config, dtype="float32", seed=0, mesh="8x2")
     mesh = model.mesh

@@ -182,6 +182,7 @@ def test_windows_leave_a_snapshot_at_every_page_boundary_they_pass(engine, oracl
     assert_pool_full(engine)
 
 
+@pytest.mark.isa_invariant
 def test_structured_outputs_with_speculation(model, tmp_path):  # noqa: F811
     """A constrained request under speculation: each window ends before the first draft its grammar
     rejects, every window position samples under the grammar's mask after the drafts before it (a
