@@ -29,6 +29,7 @@ from serve.dspark import speculation
 from serve.encoder_cache import DEFAULT_BUDGET_BYTES, EncoderCache
 from serve.multimodal import MultimodalPrompt
 from serve.cache import CacheAllocator, engine_layout, page_bytes, slot_bytes
+from serve.disagg.handoff import Handoff, PrefillOnly, Prefilled, check_handoff, pool_specs
 from serve.kv_offload import KVOffload
 from serve.prefix_cache import PrefixCache
 from serve.runner import Runner, bucket, buckets
@@ -106,10 +107,12 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or "error" (the request failed); None while running
+    # "stop", "length", "abort", "error" (the request failed) or "prefilled" (PrefillOnly); None while running
+    finish_reason: str | None
     logprobs: list[dict] | None = None
     text: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's name)
+    handoff: Handoff | None = None  # a PrefillOnly request's cache, for a decode engine (serve/disagg)
 
     @property
     def finished(self) -> bool:
@@ -178,8 +181,16 @@ class Engine:
         """Queues a prompt (token ids, text when the engine has a tokenizer, or a MultimodalPrompt with
         its images); returns its id. With `serve.sessions.SessionParams(prompt_cache_key=...)` the
         request belongs to that agent session: its cached prefix stays pinned for the session's next
-        turn (needs prefix caching)."""
+        turn (needs prefix caching). Prefill/decode disaggregation (serve/disagg): a `Prefilled` prompt
+        starts from a prefill server's cache of all but its last token; with `PrefillOnly` params the
+        request ends when its prompt is computed, its cache on the output."""
         params = params or SamplingParams()
+        imported = prompt.handoff if isinstance(prompt, Prefilled) else None
+        if imported is not None:
+            if self.speculator is not None:  # the draft's pages of the prompt would be missing
+                raise ValueError("prompt: a prefilled prompt needs an engine without speculative decoding")
+            check_handoff(imported, prompt.ids, pool_specs(self.runner.pools), self.layout.page_size)
+            prompt = prompt.ids
         prompt, spans, cache_prompt = (prompt.ids, prompt.spans, prompt.cache_ids) \
             if isinstance(prompt, MultimodalPrompt) else (prompt, [], None)
         if spans and self.images is None:
@@ -206,7 +217,7 @@ class Engine:
         if params.structured_outputs is not None:
             self.grammars.add(request_id, params.structured_outputs)
         request = Request(request_id, ids, params, next(self._arrivals), images=spans, cache_prompt=cache_prompt,
-                          session=session)
+                          session=session, imported=imported)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -395,10 +406,13 @@ class Engine:
     def _launch(self, rows, num_rows: int, num_tokens: int):
         """Dispatches the step of `rows` and the sampler of its ready rows (row index, request), which
         `picked` brings to the host. Returns (the sampler's device result or None, the ready rows)."""
-        for _, request in rows:  # prefix-cache hits resume from a KDA snapshot
+        for _, request in rows:  # prefix-cache hits resume from a KDA snapshot, prefilled prompts from their handoff
             if request.restore_from is not None:
                 self.runner.copy_slot(request.restore_from, request.slot)
                 request.restore_from = None
+            if request.imported is not None:
+                self.runner.write_state(request.pages, request.slot, request.imported)
+                request.imported = None  # a preempted request recomputes its prompt, as any other
         embeds = self.images.step_embeds(rows, num_rows, num_tokens) if self.images is not None else None
         logits, taps = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens,
                                        embeds=embeds)
@@ -478,6 +492,10 @@ class Engine:
         return self._emit_landed(ahead.result, live)
 
     def _append(self, request: Request, token: int) -> None:
+        if isinstance(request.params, PrefillOnly):  # its cache is the result, not the token
+            request.exported = Handoff(request.computed, *self.runner.read_state(request.pages, request.slot))
+            self.scheduler.finish(request, "prefilled")
+            return
         request.output.append(token)
         params = request.params
         if not self.grammars.advance(request.id, token):  # never, with the masks applied
@@ -513,7 +531,7 @@ class Engine:
         request.num_sent = len(request.output)
         logprobs = request.logprobs[start:] if request.params.logprobs is not None else None
         return RequestOutput(request.id, request.prompt, request.output[start:], request.finish_reason, logprobs,
-                             text, request.num_cached_tokens)
+                             text, request.num_cached_tokens, request.exported)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

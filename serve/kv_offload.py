@@ -14,7 +14,8 @@ Evictions happen while the scheduler allocates; the freed page or slot is writte
 runner call. So the copies are staged and `transfer` runs before the runner writes the pools: one
 jitted gather brings every staged page and snapshot to the host, then, before a step, one jitted
 scatter writes every restored page and snapshot into its page or slot (a page restored and evicted
-again before that goes back to the host without touching the device).
+again before that goes back to the host without touching the device). The same two functions move a
+prefill's cache between engines (`Runner.read_state` / `write_state`, serve/disagg).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class HostEntry:
 
 
 @jax.jit
-def _gather(pools, pages, slots):
+def gather(pools, pages, slots):
     """Pages [n, MLA layers, page_size, width], and the slots' conv windows and states, every layer."""
     mla = [pool for pool in pools if isinstance(pool, MLAPages)]
     kda = [pool for pool in pools if isinstance(pool, KDACache)]
@@ -52,8 +53,8 @@ def _gather(pools, pages, slots):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter(pools, pages, rows, slots, conv, state):
-    """Writes `_gather`'s layout back: rows[n] into page pages[n], conv[n] and state[n] into slot slots[n]."""
+def scatter(pools, pages, rows, slots, conv, state):
+    """Writes `gather`'s layout back: rows[n] into page pages[n], conv[n] and state[n] into slot slots[n]."""
     out, m, k = [], 0, 0
     for pool in pools:
         if isinstance(pool, MLAPages):
@@ -64,7 +65,7 @@ def _scatter(pools, pages, rows, slots, conv, state):
     return tuple(out)
 
 
-def _padded(indices: list[int]) -> np.ndarray:
+def padded(indices: list[int]) -> np.ndarray:
     """int32 indices padded with the null page or slot 0 to a power of two (one compile per size)."""
     out = np.zeros(1 << max(len(indices) - 1, 0).bit_length(), np.int32)
     out[:len(indices)] = indices
@@ -140,8 +141,8 @@ class KVOffload:
         if self._gather_pages or self._gather_slots:
             pages, slots = self._gather_pages, self._gather_slots
             self._gather_pages, self._gather_slots = [], []
-            rows, conv, state = jax.device_get(_gather(pools, _padded([p for _, p in pages]),
-                                                       _padded([s for _, s in slots])))
+            rows, conv, state = jax.device_get(gather(pools, padded([p for _, p in pages]),
+                                                      padded([s for _, s in slots])))
             for i, (h, _) in enumerate(pages):
                 self._put(h, page=rows[i].copy())  # a copy: the batch's array is not kept alive by one entry
             for i, (h, _) in enumerate(slots):
@@ -152,8 +153,8 @@ class KVOffload:
             self.nbytes -= self.entries.popitem(last=False)[1].nbytes
         if restores and (self._scatter_pages or self._scatter_slots):
             rows, conv, state = self._stacked(pools)
-            pools = _scatter(pools, _padded(list(self._scatter_pages)), rows, _padded(list(self._scatter_slots)),
-                             conv, state)
+            pools = scatter(pools, padded(list(self._scatter_pages)), rows, padded(list(self._scatter_slots)),
+                            conv, state)
             self._scatter_pages, self._scatter_slots = {}, {}
         return pools
 
@@ -169,12 +170,12 @@ class KVOffload:
                 "kv_restored_pages": self.restored_pages, "kv_restored_snapshots": self.restored_snapshots}
 
     def _stacked(self, pools):
-        """The staged restores as `_scatter`'s arrays, padded like their indices (zeros for the null page and slot)."""
+        """The staged restores as `scatter`'s arrays, padded like their indices (zeros for the null page and slot)."""
         mla = next(pool for pool in pools if isinstance(pool, MLAPages))
         kda = next(pool for pool in pools if isinstance(pool, KDACache))
         layers = (sum(isinstance(p, MLAPages) for p in pools), sum(isinstance(p, KDACache) for p in pools))
-        rows = np.zeros((len(_padded(list(self._scatter_pages))), layers[0], *mla.pages.shape[1:]), mla.pages.dtype)
-        conv = np.zeros((len(_padded(list(self._scatter_slots))), layers[1], *kda.conv.shape[1:]), kda.conv.dtype)
+        rows = np.zeros((len(padded(list(self._scatter_pages))), layers[0], *mla.pages.shape[1:]), mla.pages.dtype)
+        conv = np.zeros((len(padded(list(self._scatter_slots))), layers[1], *kda.conv.shape[1:]), kda.conv.dtype)
         state = np.zeros((len(conv), layers[1], *kda.state.shape[1:]), kda.state.dtype)
         for i, (_, page) in enumerate(self._scatter_pages.values()):
             rows[i] = page

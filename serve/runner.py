@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.decoder import PagedState, TapSpec, init_pools
 from k3jax.layers.kda import KDACache, commit_record
@@ -33,6 +34,7 @@ from k3jax.model import K3Model
 from k3jax.placement import pool_shardings, put
 from serve import multihost
 from serve.cache import CacheLayout
+from serve.kv_offload import gather, padded, scatter
 from sharding.mesh import data_size, rows_sharding
 
 
@@ -102,7 +104,10 @@ class Runner:
         self.page_table_width = -(-max_model_len // layout.page_size)
         make = functools.partial(init_pools, model.config, num_slots=layout.num_slots, num_pages=layout.num_pages,
                                  page_size=layout.page_size, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
-        self.pools = make() if model.mesh is None else jax.jit(make, out_shardings=self._pool_shardings(make))()
+        # Committed to their devices, one or the mesh's: an input committed to the device (a handoff pulled by
+        # jax.experimental.transfer, serve/disagg) would otherwise commit them, and every step would compile again.
+        self.pools = jax.device_put(make(), jax.local_devices()[0]) if model.mesh is None \
+            else jax.jit(make, out_shardings=self._pool_shardings(make))()
         # What `compile` lowers against: the pools' shapes and shardings, never their (donated) buffers.
         self._pool_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.pools)
@@ -200,6 +205,24 @@ class Runner:
     def _copy(self, source, target) -> None:
         with self._mesh():  # host scalars: valid arguments on a mesh spanning several processes
             self.pools = _copy_slot(self.pools, np.int32(source), np.int32(target))
+
+    def read_state(self, pages: list[int], slot: int):
+        """A request's cache, on the device (a prefill server hands it to a decode engine: serve/disagg):
+        the rows of `pages` in every MLA layer [P, layers, page_size, width] (P: len(pages) padded to a
+        power of two with the null page) and the slot's conv windows and states, every KDA layer."""
+        with self._mesh():
+            rows, conv, state = gather(self.pools, padded(pages), padded([slot]))
+        return rows, conv[0], state[0]
+
+    def write_state(self, pages: list[int], slot: int, handoff) -> None:
+        """Writes a serve.disagg.handoff.Handoff (`read_state`'s arrays) into a request's first pages and its slot."""
+        self._transfer(restores=False)  # an evicted page or snapshot this overwrites goes to the host first
+        indices = padded(pages[:handoff.num_pages(self.layout.page_size)])
+        arrays = (handoff.page_rows(len(indices)), handoff.conv[None], handoff.state[None])
+        if self.model.mesh is not None:  # a pulled handoff sits on one device: whole on each of the mesh's
+            arrays = [jax.device_put(a, NamedSharding(self.model.mesh, PartitionSpec())) for a in arrays]
+        with self._mesh():
+            self.pools = scatter(self.pools, indices, arrays[0], padded([slot]), *arrays[1:])
 
     def _transfer(self, restores: bool = True) -> None:
         """The host tier's staged copies: evicted pages and snapshots out before their page or slot is

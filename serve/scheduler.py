@@ -61,6 +61,10 @@ class Request:
     session: str | None = None  # its agent session's key (prompt_cache_key): its prefix is pinned when it finishes
     trail: bytes | None = None  # the page whose snapshot it took last past its prompt's boundary (a session's)
     num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
+    # Prefill/decode disaggregation (serve/disagg): the prefill server's cache of all but the last prompt
+    # token, written into the request's pages and slot before its first step; and a PrefillOnly request's own
+    imported: object = None
+    exported: object = None
 
     @property
     def tokens(self) -> list[int]:
@@ -167,7 +171,9 @@ class Scheduler:
             if slot is None:
                 break
             request.slot = slot
-            if self.prefix_cache is not None:
+            if request.imported is not None:  # a prefilled prompt: only its last token is left to compute
+                request.computed = request.imported.num_tokens
+            elif self.prefix_cache is not None:
                 request.hashes, request.pages, request.restore_from = self.prefix_cache.lookup(
                     request.cache_tokens, lambda chain, hit: self.allocator.restore(chain, hit, slot))
                 request.computed = request.num_cached_tokens = len(request.pages) * self.page_size
