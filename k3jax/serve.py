@@ -4,11 +4,16 @@ machine needs nothing but this command. It loads the model, compiles the step sh
 needs, binds the port and prints the URL; from then on requests are answered, while the other step
 shapes compile in the background (compiled programs persist in the compilation cache, so a restart
 loads them instead).
+
+Prefill/decode disaggregation (serve/disagg): `--role prefill` also answers decode servers on
+`--transfer-port` (printed before the URL); `--role decode --prefill-url HOST:PORT` has every prompt
+prefilled there and generates from the handed-off cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -22,6 +27,9 @@ import uvicorn
 from k3jax.loading import from_pretrained
 from serve.api_server import ServerConfig, build_app
 from serve.async_engine import AsyncEngine
+from serve.disagg.decode import DecodeEngine, PrefillClient, PrefillError, parse_address
+from serve.disagg.prefill_server import PrefillServer
+from serve.disagg.transport import TransportError
 from serve.dspark import speculation
 from serve.engine import KV_CACHE_DTYPES, Engine, EngineOptions
 from serve import multihost
@@ -85,6 +93,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds SIGTERM waits for open requests before cancelling them")
     parser.add_argument("--slow-reader-timeout", type=float, default=30.0,
                         help="seconds a stream may leave its output unread (beyond a buffer) before it is aborted")
+    parser.add_argument("--role", choices=("prefill", "decode"),
+                        help="prefill/decode disaggregation (default: neither, one engine does both)")
+    parser.add_argument("--transfer-port", type=int, default=8998,
+                        help="--role prefill: the port decode servers ask for prefills on (0 picks one); reachable "
+                             "by decode servers only")
+    parser.add_argument("--prefill-url", help="--role decode: the prefill server's HOST:PORT (its --transfer-port)")
+    parser.add_argument("--transfer-backend", choices=("socket", "jax"), default="socket",
+                        help="--role decode: how the cache arrays come over (socket: in the frames; jax: "
+                             "jax.experimental.transfer, device to device)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     # TESTING ONLY: lets chat requests force the model's output, to test the parsers end to end.
     parser.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
@@ -92,9 +109,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         engine_options(args)  # a bad combination is a usage error, before anything loads
+        _check_role(args)
     except ValueError as error:
         parser.error(str(error))
     return args
+
+
+def _check_role(args: argparse.Namespace) -> None:
+    if (args.role == "decode") != (args.prefill_url is not None):
+        raise ValueError("--prefill-url: needed by --role decode, and only there")
+    if args.prefill_url is not None:
+        parse_address(args.prefill_url)
+    if args.role == "decode" and (args.enable_prefix_caching or args.speculative_config is not None):
+        # the prefill server caches prefixes; a draft would lack its pages of the prompt
+        raise ValueError("--role decode: not with --enable-prefix-caching or --speculative-config")
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -136,6 +164,22 @@ def _speculative_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _prefill_client(engine: Engine, args, log) -> PrefillClient | None:
+    """--role decode: the client of the prefill server, checked against it (None: it cannot serve)."""
+    try:
+        prefill = PrefillClient(args.prefill_url, engine, args.transfer_backend, args.host)
+        asyncio.run(prefill.hello())
+    except TransportError as error:
+        log.error("%s", error)
+        return None
+    except PrefillError as error:
+        if error.status != 503:  # the engines differ
+            log.error("%s", error)
+            return None
+        log.warning("%s: requests fail until the prefill server at %s answers", error, args.prefill_url)
+    return prefill
+
+
 def enable_compilation_cache() -> None:
     """Keeps compiled steps on disk (beside the embedded model, unless JAX_COMPILATION_CACHE_DIR
     says where): a restart skips most of the warm-up, which on CPU is minutes."""
@@ -157,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
                             mesh=None if args.mesh == "1x1" else args.mesh)
     engine = Engine(model, options, tokenizer=load_tokenizer(path))
+    if args.role is not None and engine.runner.spans_processes:  # the handoff's reads and writes are one process's
+        log.error("--role: not on a mesh that spans several processes")
+        return 1
     if engine.runner.spans_processes and not multihost.is_leader():  # process 0 serves; this one runs its steps
         log.info("process %d follows the steps of process 0", jax.process_index())
         engine.runner.follow(engine.speculator)
@@ -168,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(engine: Engine, args, path: str, options: EngineOptions, log) -> int:
+    limits = dict(max_queued_requests=args.max_queued_requests, stall_timeout_s=args.slow_reader_timeout)
+    if args.role == "decode":  # before compiling: engines that differ serve nothing
+        prefill = _prefill_client(engine, args, log)
+        if prefill is None:
+            return 1
+        async_engine = DecodeEngine(engine, prefill, **limits)
+    else:
+        async_engine = AsyncEngine(engine, **limits)
     log.info("compiling the engine's step shapes (%s)", dataclasses.asdict(options))
     # What a first request needs compiles now; the other shapes compile behind the open port.
     engine.warmup(background=True, log=lambda done, total: log.info("compiled %d of %d step shapes", done, total))
@@ -177,8 +232,11 @@ def _serve(engine: Engine, args, path: str, options: EngineOptions, log) -> int:
                           allowed_local_media_path=args.allowed_local_media_path,
                           limit_mm_per_prompt=args.limit_mm_per_prompt["image"],
                           enable_test_hooks=args.enable_test_hooks)
-    app = build_app(AsyncEngine(engine, max_queued_requests=args.max_queued_requests,
-                                stall_timeout_s=args.slow_reader_timeout), config)
+    app = build_app(async_engine, config)
+    if args.role == "prefill":
+        prefill_server = PrefillServer(async_engine, args.host, args.transfer_port)
+        prefill_server.start()
+        print(f"k3jax.serve: prefill handoffs at {prefill_server.address}", flush=True)
     # Bound before the URL is printed: a client that reads it can connect at once (it waits in the
     # listen backlog until uvicorn accepts), and --port 0 has its real port to print.
     sock = socket.create_server((args.host, args.port))

@@ -16,6 +16,7 @@ from serve import api_checks
 from serve.api_protocol import ChatCompletionRequest
 from serve.async_engine import AsyncEngine, EngineDead, QueueFull, RequestGroup
 from serve.detokenizer import OutputText
+from serve.disagg.decode import PrefillError
 from serve.multimodal import DEFAULT_IMAGE_LIMIT
 from serve.sampling import SamplingParams
 
@@ -86,6 +87,8 @@ async def submit(engine: AsyncEngine, requests, rename: dict[str, str] | None = 
         raise APIError(400, str(error), param=error.param) from error
     except (QueueFull, EngineDead) as error:
         raise APIError(503, str(error)) from error
+    except PrefillError as error:  # a decode server's prefill (serve/disagg): 503 to retry, else 502
+        raise APIError(error.status, str(error)) from error
 
 
 async def _compile_grammars(engine: AsyncEngine, requests) -> None:
