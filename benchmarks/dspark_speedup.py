@@ -3,9 +3,11 @@ commit that replays the accepted tokens, and of one proposal by the synthetic DS
 against one decode step at batch 1, 8 and 32; end-to-end greedy tokens/s with an oracle drafter (it
 proposes the target's own continuation, so every draft is accepted) against plain decoding; and the
 trained draft (k3jax/weights/k3-tiny-dspark, `python -m k3jax.train --stage draft`) beside the
-trained k3-tiny on held-out chat prompts, against plain decoding in the same run at batch 1 and 8.
+trained k3-tiny on held-out chat prompts, against plain decoding in the same run at batch 1 and 8
+(`--dtype bfloat16`: target and draft in bf16, as served by default; written as
+dspark_trained_speedup_bf16).
 
-    python -m benchmarks.dspark_speedup [--only trained] [--draft DIR]
+    python -m benchmarks.dspark_speedup [--only trained] [--draft DIR] [--dtype float32|bfloat16]
 
 The oracle isolates what the engine's speculative path costs and gains (verify, accept, KDA commit,
 host bookkeeping); the trained draft adds its own forward and accepts fewer.
@@ -123,11 +125,12 @@ def timed(engine, prompts) -> tuple[list[list[int]], float, dict]:
                                                      ("spec_num_drafts", "spec_num_accepted_tokens") if k in after}
 
 
-def trained_rows(draft_dir: str) -> list[dict]:
-    """The trained draft against plain decoding, both on the trained k3-tiny (fp32), greedy, on the
-    first 8 held-out chat prompts: batch 1 runs the first two one at a time, batch 8 all eight together.
-    Each engine runs everything once untimed first (compiles), then timed."""
-    target = from_pretrained(default_model_dir(), dtype="float32")
+def trained_rows(draft_dir: str, dtype: str = "float32") -> list[dict]:
+    """The trained draft against plain decoding, both on the trained k3-tiny (`dtype`; the draft
+    takes the target's), greedy, on the first 8 held-out chat prompts: batch 1 runs the first two one
+    at a time, batch 8 all eight together. Each engine runs everything once untimed first (compiles),
+    then timed."""
+    target = from_pretrained(default_model_dir(), dtype=dtype)
     tokenizer = corpus.byte_tokenizer(training_config(PRESETS["k3-tiny"]))
     prompts = [c.prompt(tokenizer) for c in corpus.conversations(True, 0)[:8]]
     options = EngineOptions(max_model_len=1024, max_num_seqs=8, block_size=16)
@@ -160,6 +163,8 @@ def main(argv=None) -> None:
     parser.add_argument("--only", choices=("trained",), help="run only the trained draft's figures")
     parser.add_argument("--draft", default=os.path.join(os.path.dirname(default_model_dir()), "k3-tiny-dspark"),
                         help="the trained draft's checkpoint directory")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the trained target's (and so the draft's) dtype")
     args = parser.parse_args(argv)
     if args.only is None:
         model = K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0)
@@ -168,8 +173,9 @@ def main(argv=None) -> None:
                     f"commit replays {K // 2 + 1} tokens; the k3-tiny-dspark draft proposes {K}")
         report("dspark_oracle_speedup", end_to_end_rows(model),
                note=f"k3-tiny fp32, greedy, {NEW_TOKENS} tokens, K={K}, oracle drafter; median of 3")
-    report("dspark_trained_speedup", trained_rows(args.draft),
-           note=f"trained k3-tiny fp32 and the trained k3-tiny-dspark draft, greedy, {NEW_TOKENS} tokens per "
+    suffix, precision = ("", "fp32") if args.dtype == "float32" else ("_bf16", "bf16")
+    report(f"dspark_trained_speedup{suffix}", trained_rows(args.draft, args.dtype),
+           note=f"trained k3-tiny {precision} and the trained k3-tiny-dspark draft, greedy, {NEW_TOKENS} tokens per "
                 f"held-out chat prompt, K={K}; batch 1: 2 prompts one at a time, batch 8: 8 together; one timed run "
                 "after an untimed one; mean_accepted_length counts the target's own token")
 
