@@ -1,6 +1,6 @@
 """python -m k3jax.train: trains the embedded k3-tiny and writes it where `LLM()` loads it by default.
 
-    python -m k3jax.train [--out k3jax/weights] [--steps 140] [--seed 0] [--stage text|vision|all|draft]   (make weights)
+    python -m k3jax.train [--out k3jax/weights] [--steps 120] [--seed 0] [--stage text|vision|all|draft]   (make weights)
 
 Two stages. The text stage trains the decoder on the chat corpus and writes OUT/k3-tiny (config.json,
 bf16 safetensors with MXFP4 experts, the byte-level tokenizer) and OUT/k3-tiny/training.json: the

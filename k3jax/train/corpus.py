@@ -13,20 +13,8 @@ serving prompt's own renderer, so training and serving frame a turn identically)
   first answer in `make serve` is a greeting that closes its markers.
 
 Every conversation ends with the assistant's `<|close|>message<|sep|><|end_of_msg|>`: the model
-learns to close its channels and its turn. Every answer opens with ANSWER_LEAD: a reply's content
-would otherwise start with any of dozens of characters, so under greedy decoding the one marker
-that closes the response at once (right in the tool kind's first turn, 1 reply start in 4) outranks
-each of them even where writing content is far likelier in total. The reasoning and the lead
-name no topic: a small model copies a name from the question poorly, and a half-copied name is where
-its greedy replies fell into loops that never closed. Topics are split into training
-and held-out sets by name (every HELD_OUT_EVERY-th topic), so held-out perplexity is measured on
-unseen sections.
-
-Training rows (`Batches`) pack whole conversations, so every reply a row holds ends with its closing
-markers; a conversation longer than a row keeps its assistant turns that fit (a tool conversation,
-whose thinking-mode prompt with the tool declaration is ~720 tokens, keeps its tool call). Reply
-tokens that are markers or follow one (where a reply opens, switches channel or closes) weigh
-MARKER_WEIGHT: they decide a turn's shape and are a few in a hundred reply tokens.
+learns to close its channels and its turn. Topics are split into training and held-out sets by
+name (every HELD_OUT_EVERY-th topic), so held-out perplexity is measured on unseen sections.
 """
 
 from __future__ import annotations
@@ -44,10 +32,9 @@ from k3jax.config import K3Config
 from serve.chat.encoding import tokenize_messages
 from serve.chat.tokenizer import Tokenizer
 
-PASSAGE_CHARS = 160  # a reply of ~220 tokens at most: its close comes well inside the evaluation's 600
+PASSAGE_CHARS = 360
 HELD_OUT_EVERY = 10
-ANSWER_SENTENCES = 1  # what the tool kind's final answer keeps of the passage
-ANSWER_LEAD = "From the reference: "
+ANSWER_SENTENCES = 2  # what the tool kind's final answer keeps of the passage
 TOOLS = [{"type": "function", "function": {
     "name": "python_help", "description": "The Python language reference's section on a topic.",
     "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}}}]
@@ -58,8 +45,6 @@ GREETINGS = [("Hello", "Hello! Ask me about Python: statements, expressions, typ
 QUESTIONS = ["Tell me about {}.", "What is {}?", "Explain {}.", "How does {} work in Python?"]
 KINDS = ("instant", "thinking", "tool")
 CONTEXT_WEIGHT = 0.1  # the loss weight of tokens outside the assistant's replies
-MARKER_WEIGHT = 4.0  # the loss weight of reply tokens that are markers or follow one
-LOOKAHEAD = 32  # conversations a row's packing looks ahead for one that fills its rest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,33 +57,17 @@ class Conversation:
         return tokenize_messages(tokenizer, self.messages, tools=self.tools, thinking=self.thinking,
                                  add_generation_prompt=False)
 
-    def reply_spans(self, tokenizer: Tokenizer) -> list[tuple[int, int]]:
-        """(start, end) in `render` of each assistant turn a model generates in serving: after the
-        prompt's channel opener, through `<|end_of_msg|>`."""
-        spans = []
+    def reply_mask(self, tokenizer: Tokenizer) -> np.ndarray:
+        """bool [len(render)]: the tokens a model generates in serving (each assistant turn after
+        the prompt's channel opener, through `<|end_of_msg|>`)."""
+        mask = np.zeros(len(self.render(tokenizer)), bool)
         for j, message in enumerate(self.messages):
             if message["role"] == "assistant":
                 start = len(tokenize_messages(tokenizer, self.messages[:j], tools=self.tools, thinking=self.thinking))
                 end = len(tokenize_messages(tokenizer, self.messages[:j + 1], tools=self.tools,
                                             thinking=self.thinking, add_generation_prompt=False))
-                spans.append((start, end))
-        return spans
-
-    def reply_mask(self, tokenizer: Tokenizer) -> np.ndarray:
-        """bool [len(render)]: the tokens a model generates in serving (`reply_spans`)."""
-        mask = np.zeros(len(self.render(tokenizer)), bool)
-        for start, end in self.reply_spans(tokenizer):
-            mask[start:end] = True
+                mask[start:end] = True
         return mask
-
-    def weights(self, tokenizer: Tokenizer) -> np.ndarray:
-        """float32 [len(render)]: each token's loss weight as a target. Reply tokens weigh 1, those
-        that are markers or follow one MARKER_WEIGHT, the rest CONTEXT_WEIGHT."""
-        tokens = np.asarray(self.render(tokenizer))
-        special = np.isin(tokens, list(tokenizer.special_ids))
-        decides = special | np.concatenate([[False], special[:-1]])
-        mask = self.reply_mask(tokenizer)
-        return np.where(mask, np.where(decides, MARKER_WEIGHT, 1.0), CONTEXT_WEIGHT).astype(np.float32)
 
     def prompt(self, tokenizer: Tokenizer) -> list[int]:
         """The first user turn as a serving prompt (what a model continues in `closing_share`)."""
@@ -146,18 +115,17 @@ def passages(body: str) -> list[str]:
 
 def conversation(kind: str, name: str, title: str, passage: str, question: str) -> Conversation:
     user = {"role": "user", "content": question.format(title)}
-    lead = ANSWER_LEAD
     if kind == "instant":
-        return Conversation([user, {"role": "assistant", "content": lead + passage}], False, None)
+        return Conversation([user, {"role": "assistant", "content": passage}], False, None)
     if kind == "thinking":
-        reasoning = "A question about Python. I know the reference section on it."
-        return Conversation([user, {"role": "assistant", "reasoning_content": reasoning, "content": lead + passage}],
+        reasoning = f"The user asks about {title}. I know the reference section on it."
+        return Conversation([user, {"role": "assistant", "reasoning_content": reasoning, "content": passage}],
                             True, None)
     call = {"id": "call_0", "type": "function",
             "function": {"name": "python_help", "arguments": json.dumps({"topic": name})}}
-    answer = lead + " ".join(re.split(r"(?<=[.:])\s+", passage)[:ANSWER_SENTENCES])
+    answer = " ".join(re.split(r"(?<=[.:])\s+", passage)[:ANSWER_SENTENCES])
     return Conversation([user,
-                         {"role": "assistant", "reasoning_content": "I should look it up.", "content": "",
+                         {"role": "assistant", "reasoning_content": f"I should look up {name}.", "content": "",
                           "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_0", "content": passage},
                          {"role": "assistant", "reasoning_content": "The section answers it.", "content": answer}],
@@ -188,56 +156,25 @@ def conversations(held_out: bool, seed: int = 0) -> list[Conversation]:
 
 
 class Batches:
-    """Rows of `length + 1` tokens (inputs and next-token targets) and `length` loss weights, packed
-    with whole conversations drawn in a seeded order (each pass over them a new permutation): a row
-    begins as a served prompt does, its later conversations teach the model what follows
-    `<|end_of_msg|>`, and the rest is padding of weight 0. A conversation longer than a row keeps its
-    assistant turns that fit (`fitted`), so no reply is cut before its closing markers. Weights are
-    `Conversation.weights`: most tokens are fixed system text and quoted passages, and at full weight
-    they crowd out the few that shape and close a turn."""
+    """Rows of `length + 1` tokens (inputs and next-token targets) and `length` loss weights, each
+    the concatenation of conversations drawn in a seeded order from a conversation start: a row
+    begins as a served prompt does, and its later conversations teach the model what follows
+    `<|end_of_msg|>`. Reply tokens weigh 1 and the rest CONTEXT_WEIGHT: most tokens are fixed
+    system text and quoted passages, and at full weight they crowd out the few that close a turn."""
 
     def __init__(self, conversations: list[Conversation], tokenizer: Tokenizer, length: int, seed: int):
-        self.pieces = [fitted(c, tokenizer, length + 1) for c in conversations]
+        stream = np.concatenate([c.render(tokenizer) for c in conversations]).astype(np.int32)
+        weights = np.concatenate([np.where(c.reply_mask(tokenizer), 1.0, CONTEXT_WEIGHT) for c in conversations])
+        self.tokens = np.concatenate([stream, stream[:length + 1]])  # rows near the end wrap around
+        self.weights = np.concatenate([weights, weights[:length + 1]]).astype(np.float32)
+        self.starts = np.cumsum([0] + [len(c.render(tokenizer)) for c in conversations[:-1]])
         self.length = length
-        self.pad = tokenizer.special_tokens.get(tokenizer.pad_token, 0)  # weight 0: never a target, after the rest
         self.rng = np.random.default_rng(seed)
-        self.order: list[int] = []
-
-    def _take(self, room: int) -> int | None:
-        """The next conversation in the order (of the next LOOKAHEAD) that fits in `room` tokens,
-        taken out of it; None when none does."""
-        if not self.order:
-            self.order = self.rng.permutation(len(self.pieces)).tolist()
-        for i in range(len(self.order) - 1, max(-1, len(self.order) - 1 - LOOKAHEAD), -1):
-            if len(self.pieces[self.order[i]][0]) <= room:
-                return self.order.pop(i)
-        return None
-
-    def row(self) -> tuple[np.ndarray, np.ndarray]:
-        tokens, weights = np.full(self.length + 1, self.pad, np.int32), np.zeros(self.length + 1, np.float32)
-        used = 0
-        while (taken := self._take(self.length + 1 - used)) is not None:
-            piece_tokens, piece_weights = self.pieces[taken]
-            tokens[used:used + len(piece_tokens)], weights[used:used + len(piece_tokens)] = piece_tokens, piece_weights
-            used += len(piece_tokens)
-        return tokens, weights[1:]  # a token's weight is its weight as a target
 
     def __call__(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
-        rows = [self.row() for _ in range(batch)]
-        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
-
-
-def fitted(conversation: Conversation, tokenizer: Tokenizer, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens int32, weights float32) of `conversation` cut to at most `size` tokens: whole, or
-    through the end of its last assistant turn that fits; a conversation none of whose turns fit
-    (short rows) is cut at `size`."""
-    tokens = np.asarray(conversation.render(tokenizer), np.int32)
-    weights = conversation.weights(tokenizer)
-    if len(tokens) > size:
-        ends = [end for _, end in conversation.reply_spans(tokenizer) if end <= size]
-        cut = ends[-1] if ends else size
-        tokens, weights = tokens[:cut], weights[:cut]
-    return tokens, weights
+        starts = self.rng.choice(self.starts, batch)
+        return (np.stack([self.tokens[s:s + self.length + 1] for s in starts]),
+                np.stack([self.weights[s + 1:s + self.length + 1] for s in starts]))
 
 
 def unigram_perplexity(train: np.ndarray, held_out: np.ndarray, vocab: int) -> float:

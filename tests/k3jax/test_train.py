@@ -133,34 +133,3 @@ def test_corpus_is_well_formed_k3_chat():
     held, train = corpus.conversations(True), corpus.conversations(False)
     questions = {m["content"] for c in held for m in c.messages[:1]} - {g for g, _ in corpus.GREETINGS}
     assert questions and not questions & {m["content"] for c in train for m in c.messages[:1]}
-
-
-def test_rows_pack_whole_conversations_cut_only_after_a_reply():
-    """Every training row is whole conversations (or, when a conversation is longer than a row, the
-    encoder's rendering of it through its last assistant turn that fits), then padding of weight 0:
-    every reply in a row ends with its closing markers. Reply markers weigh MARKER_WEIGHT."""
-    tokenizer = corpus.byte_tokenizer(target.training_config(PRESETS["k3-tiny"]))
-    conversations = corpus.conversations(False)[:60]
-    tool = next(c for c in conversations if c.tools)
-    assert len(tool.render(tokenizer)) > 1025  # the tool kind does not fit a row whole
-    cut, _ = corpus.fitted(tool, tokenizer, 1025)
-    call_turn = tokenize_messages(tokenizer, tool.messages[:2], tools=tool.tools, thinking=True,
-                                  add_generation_prompt=False)
-    assert cut.tolist() == call_turn  # through the tool call's <|end_of_msg|>, no further
-
-    wholes = {tuple(corpus.fitted(c, tokenizer, 1025)[0]) for c in conversations}
-    end, pad = tokenizer.token_id("<|end_of_msg|>"), tokenizer.token_id("[PAD]")
-    rows, weights = corpus.Batches(conversations, tokenizer, 1024, seed=0)(8)
-    for row, weight in zip(rows, weights):
-        used = len(row) - np.argmax(row[::-1] != pad)
-        assert (row[used:] == pad).all() and not weight[used - 1:].any()
-        piece, start = [], 0
-        for i in np.flatnonzero(row[:used] == end):  # split at message ends into whole pieces
-            if tuple(row[start:i + 1]) in wholes:
-                piece.append(i + 1 - start)
-                start = i + 1
-        assert start == used and piece, "a row holds a conversation cut before a reply's end"
-    reply = corpus.conversation("instant", "if", "The if statement", "Text.", corpus.QUESTIONS[0])
-    tokens, w = np.asarray(reply.render(tokenizer)), reply.weights(tokenizer)
-    closes = np.flatnonzero(tokens == tokenizer.token_id("<|close|>"))
-    assert (w[closes[-2:]] == corpus.MARKER_WEIGHT).all() and w[0] == corpus.CONTEXT_WEIGHT
