@@ -4,8 +4,9 @@ against one decode step at batch 1, 8 and 32; end-to-end greedy tokens/s with an
 proposes the target's own continuation, so every draft is accepted) against plain decoding; and the
 trained draft (k3jax/weights/k3-tiny-dspark, `python -m k3jax.train --stage draft`) beside the
 trained k3-tiny on held-out chat prompts, against plain decoding in the same run at batch 1 and 8
-(`--dtype bfloat16`: target and draft in bf16, as served by default; written as
-dspark_trained_speedup_bf16).
+(`--dtype bfloat16`: target and draft in bf16, as served by default, written as
+dspark_trained_speedup_bf16; there a window may round a near-tie otherwise than one-token steps, so
+the outputs equal to plain decoding are counted, where fp32 asserts them all).
 
     python -m benchmarks.dspark_speedup [--only trained] [--draft DIR] [--dtype float32|bfloat16]
 
@@ -149,12 +150,18 @@ def trained_rows(draft_dir: str, dtype: str = "float32") -> list[dict]:
     rows = []
     for batch, groups in runs.items():
         (plain_tokens, plain_s, _), (tokens, spec_s, counts) = figures["plain", batch], figures["draft", batch]
-        assert tokens == plain_tokens, "speculation changed the greedy output"
+        same = [a == b for a, b in zip(tokens, plain_tokens)]
+        # fp32: speculation must not change a greedy token. bf16: a verify window rounds otherwise than
+        # one-token steps, and a near-tie in a router or the LM head then flips (on the shipped k3-tiny
+        # the first flip, 37 tokens into a reply, had plain decoding 0.15 from fp32's logprob and the
+        # window 0.006), so count the outputs that stayed equal instead.
+        assert dtype != "float32" or all(same), "speculation changed the greedy output"
         generated = sum(len(t) for t in tokens)
         accepted = counts["spec_num_accepted_tokens"] / counts["spec_num_drafts"]
         rows.append({"batch": batch, "new_tokens": generated, "plain_tok_s": generated / plain_s,
                      "draft_tok_s": generated / spec_s, "speedup": plain_s / spec_s,
-                     "accepted_drafts_per_window": accepted, "mean_accepted_length": 1 + accepted})
+                     "accepted_drafts_per_window": accepted, "mean_accepted_length": 1 + accepted,
+                     "outputs_equal_to_plain": f"{sum(same)}/{len(same)}"})
     return rows
 
 
