@@ -61,10 +61,9 @@ class Request:
     session: str | None = None  # its agent session's key (prompt_cache_key): its prefix is pinned when it finishes
     trail: bytes | None = None  # the page whose snapshot it took last past its prompt's boundary (a session's)
     num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
-    # Prefill/decode disaggregation (serve/disagg): the prefill server's cache of all but the last prompt
-    # token, written into the request's pages and slot before its first step; and a PrefillOnly request's own
-    imported: object = None
-    exported: object = None
+    # Prefill/decode disaggregation (serve/disagg), each a serve.disagg.handoff.Handoff or None:
+    imported: object = None  # the prefill server's cache of all but the last prompt token, written before the first step
+    exported: object = None  # a PrefillOnly request's own cache once its prompt is computed, for a decode engine
 
     @property
     def tokens(self) -> list[int]:
