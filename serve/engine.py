@@ -289,11 +289,11 @@ class Engine:
     def _compile_ahead(self, shapes, done: int, total: int, log) -> None:
         samplers = {rows for rows, _ in shapes} - {self.decode_rows[0], self.prefill_rows[0]}
         for num_rows, num_tokens in shapes:
-            self.runner.compile(num_rows, num_tokens)
+            logits = self.runner.compile(num_rows, num_tokens)
             if num_rows in samplers:
                 samplers.discard(num_rows)
                 for params in sampling.VARIANTS:
-                    self._sampler([(0, Request("warmup", [0], params, -1))], num_rows).compile()
+                    self._sampler([(0, Request("warmup", [0], params, -1))], num_rows).compile(logits)
             done += 1
             if log is not None:
                 log(done, total)

@@ -24,9 +24,8 @@ import contextlib
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from k3jax.decoder import PagedState, TapSpec, init_pools
 from k3jax.layers.kda import KDACache, commit_record
@@ -146,15 +145,20 @@ class Runner:
             raise ValueError("embeds: only the prefill steps of a runner with embed_width take them")
         return () if embeds is None else tuple(embeds)
 
-    def compile(self, num_rows: int, num_tokens: int) -> None:
+    def compile(self, num_rows: int, num_tokens: int) -> jax.ShapeDtypeStruct:
         """Compiles the step of [num_rows, num_tokens] without running it. Lowering fills jit's caches,
         so the first real step of that shape only dispatches; it reads the pools' shapes, not their
-        buffers, so another thread may run steps meanwhile."""
+        buffers, so another thread may run steps meanwhile. Returns what the step's logits will be
+        (shape, dtype, sharding), for compiling the sampler that takes them."""
         arrays = self._arrays([], num_rows, num_tokens)
-        self._call(_step, arrays, pools=self._pool_specs, compile_only=True)
+        compiled = self._call(_step, arrays, pools=self._pool_specs, compile_only=True)
         if self.embed_width is not None and num_tokens > 1:  # the same step with images
             embeds = (np.zeros((num_rows, num_tokens, self.embed_width), np.float32), np.zeros((num_rows, num_tokens), bool))
             self._call(_step, arrays, embeds=embeds, pools=self._pool_specs, compile_only=True)
+        logits = compiled.out_info[0]
+        # across processes the sampler takes the leader's own copy (`_local`), on its first device
+        sharding = SingleDeviceSharding(jax.local_devices()[0]) if self.spans_processes else compiled.output_shardings[0]
+        return jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
 
     def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
         """Like `run` over speculative windows (the last token, then the drafts), without touching the
@@ -276,8 +280,8 @@ class Runner:
 
     def _place(self, arrays):
         model = self.model
-        if model.mesh is None:
-            return map(jnp.asarray, arrays)
+        if model.mesh is None:  # committed like the run-ahead's device tokens, so both take one compiled step
+            return (jax.device_put(a, jax.local_devices()[0]) for a in arrays)
         # rows over data (a device array, run-ahead tokens, moves without a trip through the host)
         sharding = rows_sharding(model.mesh)
         return (jax.device_put(a, sharding) if isinstance(a, jax.Array) else put(a, sharding) for a in arrays)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from serve import sampling
@@ -44,8 +43,9 @@ class StepSampler:
     def __call__(self, logits) -> sampling.SampleResult:
         return sampling.sample(logits, self.batch, self.counts, self.prompt_mask, num_logprobs=self.num_logprobs)
 
-    def compile(self) -> None:
-        logits = jax.ShapeDtypeStruct((self.batch.temperature.shape[0], self.vocab_size), jnp.float32)
+    def compile(self, logits: jax.ShapeDtypeStruct) -> None:
+        """Compiles the sampler for logits like `logits` (the runner's `compile` says what its step's are:
+        their sharding is part of what the compiled sampler is looked up by)."""
         sampling.sample.lower(logits, self.batch, self.counts, self.prompt_mask,
                               num_logprobs=self.num_logprobs).compile()
 
