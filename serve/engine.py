@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.model import K3Model
-from serve import sampling
+from serve import sampling, warmup
 from serve.detokenizer import OutputText
 from serve.dspark import speculation
 from serve.encoder_cache import DEFAULT_BUDGET_BYTES, EncoderCache
@@ -265,38 +265,7 @@ class Engine:
         daemon thread, returned, which lowers and compiles them without running a step, so the engine
         may serve meanwhile (a request that needs a shape not compiled yet compiles it in its step).
         A speculative engine always warms in full. `log(done, total)` reports progress."""
-        shapes = [(rows, 1) for rows in self.decode_rows]
-        shapes += [(rows, tokens) for rows in self.prefill_rows for tokens in self.prefill_tokens]
-        first = [(self.decode_rows[0], 1), (self.prefill_rows[0], self.prefill_tokens[0])]
-        now = first if background and self.speculator is None else shapes
-        if self.prefix_cache is not None:
-            self.runner.copy_slot(0, 0)
-        for done, (num_rows, num_tokens) in enumerate(now, 1):
-            if num_tokens == 1 and self.speculator is not None:
-                speculation.warm_verify(self, num_rows)
-            else:
-                self._warm(num_rows, num_tokens)
-            if log is not None:
-                log(done, len(shapes))
-        rest = [shape for shape in shapes if shape not in now]
-        if not rest:
-            return None
-        thread = threading.Thread(target=self._compile_ahead, args=(rest, len(now), len(shapes), log),
-                                  name="compile-ahead", daemon=True)
-        thread.start()
-        return thread
-
-    def _compile_ahead(self, shapes, done: int, total: int, log) -> None:
-        samplers = {rows for rows, _ in shapes} - {self.decode_rows[0], self.prefill_rows[0]}
-        for num_rows, num_tokens in shapes:
-            logits = self.runner.compile(num_rows, num_tokens)
-            if num_rows in samplers:
-                samplers.discard(num_rows)
-                for params in sampling.VARIANTS:
-                    self._sampler([(0, Request("warmup", [0], params, -1))], num_rows).compile(logits)
-            done += 1
-            if log is not None:
-                log(done, total)
+        return warmup.warmup(self, background=background, log=log)
 
     def reset_prefix_cache(self) -> None:
         """Drops every cached page and snapshot no running request uses, sessions' pins included."""
@@ -319,14 +288,6 @@ class Engine:
         if self.images is not None:
             stats.update(encoder_cache_hits=self.images.hits, encoder_runs=self.images.misses)
         return stats
-
-    def _warm(self, num_rows: int, num_tokens: int) -> None:
-        logits, taps = self.runner.run([], num_rows, num_tokens)
-        if self.speculator is not None:
-            self.speculator.observe([], taps)
-        for params in sampling.VARIANTS:
-            ready = [(0, Request("warmup", [0], params, -1))]
-            picked(self._sampler(ready, num_rows)(logits), ready)
 
     # steps
 
