@@ -31,25 +31,39 @@ def resolve_dtype(dtype):
 
 
 class Structure:
-    """A module's GraphDef as a jit static argument, hashed once.
+    """A module's GraphDef and the tree of its parameters, as a jit static argument hashed once.
 
     jit hashes its static arguments on every call, and hashing a GraphDef walks the whole module
     tree (~1 ms for k3-tiny, more for deeper models): a tax on every decode step. Equal structures
-    still compare equal, so models of one config share their compiled steps."""
+    still compare equal, so models of one config share their compiled steps.
 
-    __slots__ = ("graphdef", "_hash")
+    jit also flattens its arguments on every call, and an nnx.State's Variables flatten in Python
+    (250 us a call for k3-tiny's 316 arrays, growing with depth) where a list of arrays flattens in
+    C++ (10 us). So the hot paths pass the parameters' leaves (`leaves`) and `merge` puts the tree
+    back together while tracing; it still takes the nnx.State itself too."""
 
-    def __init__(self, graphdef: nnx.GraphDef):
+    __slots__ = ("graphdef", "params_tree", "_hash")
+
+    def __init__(self, graphdef: nnx.GraphDef, params):
         self.graphdef = graphdef
-        self._hash = hash(graphdef)
+        self.params_tree = jax.tree.structure(params)
+        self._hash = hash((graphdef, self.params_tree))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Structure) and self._hash == other._hash and self.graphdef == other.graphdef
+        return self is other or (isinstance(other, Structure) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef and self.params_tree == other.params_tree)
+
+    def leaves(self, params) -> list:
+        """The parameters as `merge` takes them fastest."""
+        return self.params_tree.flatten_up_to(params)
 
     def merge(self, params):
+        """The module; `params` is the nnx.State or its leaves (`leaves`)."""
+        if isinstance(params, list):
+            params = self.params_tree.unflatten(params)
         return nnx.merge(self.graphdef, params)
 
 
@@ -99,7 +113,6 @@ class K3Model:
         self.config = config
         self.vision = vision  # k3jax.vision.encoder.VisionEncoder, or None: the model takes no images
         self.graphdef = graphdef
-        self.structure = Structure(graphdef)  # what the jitted functions take
         self.mesh = mesh
         if mesh is not None:
             check_mesh(config, mesh)
@@ -107,6 +120,8 @@ class K3Model:
         elif moe_ops.wants_split_experts():
             params = split_routed_experts(params)
         self.params = params
+        self.structure = Structure(graphdef, params)  # what the jitted functions take, with
+        self.param_leaves = self.structure.leaves(params)  # the parameters as they take them fastest
 
     @classmethod
     def from_module(cls, module: K3Transformer, mesh: Mesh | None = None) -> "K3Model":
@@ -167,14 +182,14 @@ class K3Model:
         multiple, as many as a cache made by `prefill` holds; callers keep the first rows of what
         comes back."""
         if self.mesh is None:
-            return step(self.structure, self.params, tokens, lengths, *cache)
+            return step(self.structure, self.param_leaves, tokens, lengths, *cache)
         rows = self._padded_rows(tokens.shape[0])
         if rows > tokens.shape[0]:
             tokens = jnp.pad(tokens, ((0, rows - tokens.shape[0]), (0, 0)))
             lengths = jnp.pad(lengths, (0, rows - lengths.shape[0]))
         batch = rows_sharding(self.mesh)
         with jax.set_mesh(self.mesh):
-            return step(self.structure, self.params, put(tokens, batch), put(lengths, batch), *cache)
+            return step(self.structure, self.param_leaves, put(tokens, batch), put(lengths, batch), *cache)
 
     def _padded_rows(self, rows: int) -> int:
         data = data_size(self.mesh)
@@ -205,7 +220,7 @@ class K3Model:
         tokens = jnp.pad(tokens, ((0, 0), (0, padded - t)))
         with jax.set_mesh(self.mesh):
             logits, cache = sequence_parallel.prefill(
-                self.structure, self.params, put(tokens, NamedSharding(self.mesh, PartitionSpec(None, DATA))),
+                self.structure, self.param_leaves, put(tokens, NamedSharding(self.mesh, PartitionSpec(None, DATA))),
                 put(lengths, NamedSharding(self.mesh, PartitionSpec())), mesh=self.mesh,
                 rows=self._padded_rows(b), max_len=max_len)
         return logits[:, :t], cache

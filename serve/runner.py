@@ -271,7 +271,7 @@ class Runner:
 
     def _call(self, fn, arrays, *, embeds=(), pools=None, compile_only: bool = False):
         """fn(structure, params, pools, *arrays, taps[, embeds]): arrays and embeds placed by rows."""
-        args = (self.model.structure, self.model.params, self.pools if pools is None else pools,
+        args = (self.model.structure, self.model.param_leaves, self.pools if pools is None else pools,
                 *self._place(arrays), self.taps)
         if embeds:
             args += (tuple(self._place(embeds)),)
@@ -281,7 +281,7 @@ class Runner:
     def _place(self, arrays):
         model = self.model
         if model.mesh is None:  # committed like the run-ahead's device tokens, so both take one compiled step
-            return (jax.device_put(a, jax.local_devices()[0]) for a in arrays)
+            return jax.device_put(list(arrays), jax.local_devices()[0])  # in one call: 5 apart cost 50% more
         # rows over data (a device array, run-ahead tokens, moves without a trip through the host)
         sharding = rows_sharding(model.mesh)
         return (jax.device_put(a, sharding) if isinstance(a, jax.Array) else put(a, sharding) for a in arrays)

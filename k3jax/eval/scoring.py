@@ -54,12 +54,12 @@ class Scorer:
         model = self.model
         if self.mesh is None:
             self.shapes.add(tokens.shape)
-            total, greedy = _score(model.structure, model.params, tokens, lengths, starts)
+            total, greedy = _score(model.structure, model.param_leaves, tokens, lengths, starts)
             return np.asarray(total), np.asarray(greedy)
         arrays = [jax.make_array_from_process_local_data(self.sharding, a) for a in (tokens, lengths, starts)]
         self.shapes.add(arrays[0].shape)
         with jax.set_mesh(self.mesh):
-            total, greedy = _score(model.structure, model.params, *arrays)
+            total, greedy = _score(model.structure, model.param_leaves, *arrays)
         if jax.process_count() > 1:
             total, greedy = multihost_utils.global_array_to_host_local_array((total, greedy), self.mesh,
                                                                              PartitionSpec(DATA))

@@ -80,8 +80,9 @@ class DSparkSpeculator:
         self.num_speculative_tokens = k
         self.probabilistic = probabilistic
         self.taps = TapSpec(tuple(cfg.target_layer_ids), cfg.target_hidden_tap)
-        graphdef, self.params = nnx.split(draft)
-        self.structure = Structure(graphdef)
+        graphdef, params = nnx.split(draft)
+        self.structure = Structure(graphdef, params)
+        self.params = self.structure.leaves(params)  # as the jitted steps take them fastest
         self.head = shared_head(target)
         self.mesh = target.mesh
         self.kv_cache_dtype = kv_cache_dtype or target.dtype

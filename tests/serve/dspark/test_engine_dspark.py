@@ -48,21 +48,21 @@ def one_shot_drafts(model, spec, tokens, computed, num_tokens, flips=()):  # noq
     of tokens[:computed], tapped from one full forward of the target (its routers taking `flips`)."""
     padded = np.zeros((1, MAX_LEN), np.int32)
     padded[0, :computed] = tokens[:computed]
-    drafts, logits = _one_shot(model.graphdef, spec.structure.graphdef, spec.taps, spec.cfg, num_tokens, model.params,
+    drafts, logits = _one_shot(model.graphdef, spec.structure, spec.taps, spec.cfg, num_tokens, model.params,
                                spec.params, spec.head, jnp.asarray(padded), jnp.int32(computed),
                                jnp.int32(tokens[computed]), agreement.flip_table(flips))
     return np.asarray(drafts)[0].tolist(), np.asarray(logits)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _one_shot(graphdef, draft_graphdef, taps, cfg, num_tokens, params, draft_params, head, padded, computed, bonus,
+def _one_shot(graphdef, draft_structure, taps, cfg, num_tokens, params, draft_params, head, padded, computed, bonus,
               flips):
     with agreement.following(flips):
         tapped = nnx.merge(graphdef, params).forward(padded, taps=taps).taps
     num_pages = MAX_LEN // PAGE_SIZE + 2
     table = jnp.arange(1, num_pages, dtype=jnp.int32)[None, :]
     pages = dd.init_draft_pages(cfg, num_pages, PAGE_SIZE, jnp.float32)
-    draft = nnx.merge(draft_graphdef, draft_params)
+    draft = draft_structure.merge(draft_params)
     valid = jnp.arange(MAX_LEN)[None, :] < computed
     pages = dd.inject_context(draft, pages, tapped, valid, jnp.zeros((1,), jnp.int32), table)
     drafts, logits, _ = dd.propose(draft, pages, bonus[None], computed[None], table, head,
