@@ -4,10 +4,11 @@ it is the server's overhead; the issue allows 15%).
 
     python -m benchmarks.serve_load [--requests 64] [--max-tokens 32] [--repeats 3]
 
-Runs `python -m k3jax.serve` on the embedded k3-tiny (fp32) in a subprocess and drives it with streaming
-completions, `concurrency` requests in flight (a closed loop). The client is the standard library's
-http.client, as vLLM's serving benchmark uses a bare HTTP client: on a small machine the client's CPU
-competes with the server's, and the openai client spends about four times as much per chunk. The offline
+Runs `python -m k3jax.serve` on the embedded k3-tiny (fp32) in a subprocess, waits until it has compiled
+every step shape (it opens its port before), and drives it with streaming completions, `concurrency`
+requests in flight (a closed loop). The client is the standard library's http.client, as vLLM's
+serving benchmark uses a bare HTTP client: on a small machine the client's CPU competes with the
+server's, and the openai client spends about four times as much per chunk. The offline
 figures run the same prompts through an `Engine` with the same options and tokenizer in this process, in
 the same closed loop. Server and offline runs alternate, `--repeats` times at each concurrency, and the
 table has medians, so a noisy neighbour slows both alike; vs_offline is the median of the pairs' tokens/s
@@ -28,8 +29,10 @@ import dataclasses
 import http.client
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 
@@ -62,14 +65,26 @@ def prompts(count: int) -> list[list[int]]:
     return [rng.integers(0, 256, int(rng.integers(8, 64))).tolist() for _ in range(count)]
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--log-level", "warning",
-               *FLAGS]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
+def start_server() -> tuple[subprocess.Popen, str, threading.Event]:
+    """The server, its URL, and an event set once it has compiled every step shape: it opens its port
+    after the first request's shapes and compiles the rest behind it, which must not be measured."""
+    command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--log-level", "info",
+               "--disable-uvicorn-access-log", *FLAGS]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": os.getcwd()})
-    for line in process.stdout:  # the server prints its URL when it is ready
+    compiled = threading.Event()
+
+    def read_log():  # drained to the end, so the server never blocks on a full pipe
+        for line in process.stderr:
+            if (done := re.search(r"compiled (\d+) of (\d+) step shapes", line)) and done[1] == done[2]:
+                compiled.set()
+            elif " WARNING " in line or " ERROR " in line:
+                print(line, end="", file=sys.stderr)
+
+    threading.Thread(target=read_log, daemon=True).start()
+    for line in process.stdout:  # the server prints its URL when its port is open
         if "http://" in line:
-            return process, line.split()[-1]
+            return process, line.split()[-1], compiled
     raise RuntimeError("the server exited before printing its URL")
 
 
@@ -182,12 +197,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     workload = prompts(args.requests)
     path = default_model_dir()  # written once, before the server and this process both read it
-    process, url = start_server()
+    process, url, compiled = start_server()
     try:
         enable_compilation_cache()  # the server's: the offline warm-up loads its compiled steps
         engine = Engine(from_pretrained(path, dtype="float32"), EngineOptions(**OPTIONS),
                         tokenizer=load_tokenizer(path))
         engine.warmup()
+        if not compiled.wait(timeout=900):
+            raise RuntimeError("the server did not finish compiling its step shapes in 15 minutes")
         stream_one(url, workload[0], 2)  # the server's first request imports what serving needs
         rows = []
         for concurrency in CONCURRENCY:

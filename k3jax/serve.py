@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--role decode: how the cache arrays come over (socket: in the frames; jax: "
                              "jax.experimental.transfer, device to device)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no log line per HTTP request (vLLM's flag): under load, each costs the server's CPU")
     # TESTING ONLY: lets chat requests force the model's output, to test the parsers end to end.
     parser.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     distributed.add_arguments(parser)
@@ -244,7 +246,7 @@ def _serve(engine: Engine, args, path: str, options: EngineOptions, log) -> int:
     print(f"k3jax.serve: {config.model_name} at http://{host}:{port}/v1", flush=True)
     # On SIGTERM uvicorn stops accepting, waits up to --shutdown-timeout for open requests (a stalled
     # reader would hold it forever), then cancels them, which aborts their engine requests.
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                   timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     return 0
 

@@ -181,6 +181,7 @@ class _Response:
                      first: Sequence[dict] = ()) -> AsyncIterator[str]:
         """Server-sent events; a disconnect cancels this generator, and `finally` aborts the requests."""
         totals = Totals(len(choices), keep_outputs=False)
+        last = ""  # what goes out with [DONE], in one write (each costs the server a send)
         try:
             for choice in first:
                 yield _event(self._envelope(self.chunk_kind, [choice]))
@@ -189,7 +190,7 @@ class _Response:
                 if (choice := choices[index].delta(output)) is not None:
                     yield _event(self._envelope(self.chunk_kind, [choice]))
             if include_usage:
-                yield _event(self._envelope(self.chunk_kind, [], usage=totals.usage(self.n)))
+                last = _event(self._envelope(self.chunk_kind, [], usage=totals.usage(self.n)))
         except Exception as error:  # headers are sent: the error goes in the stream
             if isinstance(error, RequestFailed):
                 message = str(error)
@@ -197,10 +198,10 @@ class _Response:
             else:
                 message = "internal error; see the server log"
                 logger.exception("request %s failed", self.id)
-            yield _event({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+            last = _event({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
         finally:
             group.abort()
-        yield "data: [DONE]\n\n"
+        yield last + "data: [DONE]\n\n"
 
 
 def _event(data: dict) -> str:
