@@ -1,21 +1,23 @@
 """python -m k3jax.train: trains the embedded k3-tiny and writes it where `LLM()` loads it by default.
 
-    python -m k3jax.train [--out k3jax/weights] [--steps 120] [--seed 0] [--stage text|vision|all|draft]   (make weights)
+    python -m k3jax.train [--out k3jax/weights] [--steps 120] [--seed 0] [--stage all|text|vision|draft]   (make weights)
 
-Two stages. The text stage trains the decoder on the chat corpus and writes OUT/k3-tiny (config.json,
-bf16 safetensors with MXFP4 experts, the byte-level tokenizer) and OUT/k3-tiny/training.json: the
-options, the training time, the loss curve, held-out perplexity of the written checkpoint against
-the unigram baseline, the share of greedy chat replies that close their markers, and each MoE
-layer's expert load over the last 20 steps. The vision stage (`k3jax.train.vision`) then trains the
-vision tower on captioned synthetic images, tuning the text model lightly beside it, rewrites the
-checkpoint with the tower and adds to training.json its options, time, losses, the held-out caption
-accuracy and the text figures measured again. `--stage vision` runs the vision stage alone on the
-text stage's checkpoint already in OUT. The shipped k3-tiny is the text stage's alone (the default):
-at its present budget the vision stage's captions stay at chance and the tuned text model's held-out
-perplexity rises (2.68 -> 2.75), so it is not shipped yet. `--stage draft` distills the DSpark draft
-for the checkpoint in OUT (`k3jax.train.draft`) and writes OUT/k3-tiny-dspark with its training.json.
-Deterministic given the seed (on one
-machine: XLA:CPU's reductions are fixed for a given instruction set).
+The default (`all`, what `make weights` runs) is the text stage, then the vision stage; together they
+write the shipped k3jax/weights/k3-tiny. The text stage trains the decoder on the chat corpus and
+writes OUT/k3-tiny (config.json, bf16 safetensors with MXFP4 experts, the byte-level tokenizer) and
+OUT/k3-tiny/training.json: the options, the training time, the loss curve, held-out perplexity of the
+written checkpoint against the unigram baseline, the share of greedy chat replies that close their
+markers, and each MoE layer's expert load over the last 20 steps. The vision stage
+(`k3jax.train.vision`) then trains the tiny vision tower and projector against the frozen text model,
+adds them to OUT/k3-tiny beside the text tensors (checked to be the text stage's byte for byte) and
+adds to training.json, under "vision", its options, time, losses and the held-out caption accuracy
+against chance. `--stage vision` runs it alone on the checkpoint already in OUT (replacing a tower
+there), `--stage text` writes the text model alone. `--stage draft` distills the DSpark draft for
+the checkpoint in OUT (`k3jax.train.draft`) and writes OUT/k3-tiny-dspark with its training.json.
+Deterministic given the seed (on one machine: XLA:CPU's reductions are fixed for a given
+instruction set); training.json's times differ from run to run.
+
+The shipped tower: see training.json's "vision" and `k3jax.train.vision`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import numpy as np
 from flax import nnx
 
 from convert import export
+from convert.reader import SafetensorsReader
+from convert.vision_layout import PREFIXES as VISION_PREFIXES
 from k3jax.loading import from_pretrained
 from k3jax.dspark.config import DSparkConfig
 from k3jax.dspark.model import shared_head
@@ -58,24 +62,15 @@ def text_figures(model, seed: int) -> dict:
                 held_out_conversations=len(held_out))
 
 
-def ship(out: str, params: nnx.State, report: dict, tower: dict | None = None) -> dict:
-    """Exports `params` (and the vision `tower`'s parameters by path) to OUT/k3-tiny, replacing what
-    is there only once the new one is complete, measures it and writes training.json: `report`, with
-    the text figures added (under "vision" too when the report has that stage). Returns the report."""
+def ship(out: str, params: nnx.State, report: dict) -> dict:
+    """Exports the text stage's `params` to OUT/k3-tiny, replacing what is there only once the new
+    one is complete, measures it and writes training.json: `report`, with the text figures added.
+    Returns the report."""
     path, partial = os.path.join(out, MODEL), os.path.join(out, f".{MODEL}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     export.write_checkpoint(partial, PRESETS[MODEL], {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(params)})
-    if tower is not None:
-        export.add_vision_tensors(partial, vision_config(training_config(PRESETS[MODEL])), tower)
     model = from_pretrained(partial, dtype="float32")  # what LLM() serves: bf16 / MXFP4 weights
-    figures = text_figures(model, report["options"]["seed"])
-    if "vision" in report:
-        seed = report["vision"]["options"]["seed"]
-        cases = vision.held_out(report["vision"]["options"]["held_out"], seed)
-        report["vision"].update(text_after=figures, caption_accuracy=vision.caption_accuracy(
-            model, corpus.byte_tokenizer(training_config(PRESETS[MODEL])), cases))
-    else:
-        report.update(figures)
+    report.update(text_figures(model, report["options"]["seed"]))
     with open(os.path.join(partial, "training.json"), "w") as f:
         json.dump(report, f, indent=1)
     shutil.rmtree(path, ignore_errors=True)
@@ -83,25 +78,44 @@ def ship(out: str, params: nnx.State, report: dict, tower: dict | None = None) -
     return report
 
 
+def text_tensors(path: str) -> dict[str, tuple]:
+    """The checkpoint's text tensors (all but `vision_tower.*` / `mm_projector.*`) as stored: name ->
+    dtype, shape and bytes."""
+    reader = SafetensorsReader(path)
+    return {name: (str(array.dtype), array.shape, np.ascontiguousarray(array).tobytes())
+            for name in reader.names() if not name.startswith(VISION_PREFIXES)
+            for array in [reader.read(name)]}
+
+
 def vision_stage(out: str, options: vision.VisionOptions) -> dict:
-    """Trains the tower on OUT/k3-tiny (the text stage's checkpoint), tuning its text model, and
-    ships both; the text stage's report is kept and the vision stage's added under "vision"."""
-    path = os.path.join(out, MODEL)
+    """Trains the tower against OUT/k3-tiny's frozen text model and ships the checkpoint with it: the
+    text tensors byte for byte as they were (checked), training.json's text report kept and the vision
+    stage's put under "vision" (a previous one replaced)."""
+    path, partial = os.path.join(out, MODEL), os.path.join(out, f".{MODEL}.partial")
     with open(os.path.join(path, "training.json")) as f:
         report = json.load(f)
-    if "vision" in report:  # its text model is tuned already: a second run would tune it twice
-        raise SystemExit(f"{path} already had its vision stage; run the text stage first (--stage all)")
     cfg = training_config(PRESETS[MODEL])
     tokenizer = corpus.byte_tokenizer(cfg)
     graphdef, params = pretrained(path, cfg)
     vcfg = vision_config(cfg)
     images = vision.Stream(tokenizer, vcfg, ImageProcessorConfig.from_pretrained(path), options.seed)
-    rows = corpus.Batches(corpus.conversations(False, options.seed), tokenizer, options.text_length, options.seed)
     start = time.time()
-    _, tower, params, history = vision.train(graphdef, params, vcfg, images, rows, options)
+    _, tower, history = vision.train(graphdef, params, vcfg, images, options)
     report["vision"] = {"options": dataclasses.asdict(options), "train_seconds": round(time.time() - start, 1),
                         **history}
-    return ship(out, params, report, vision.tower_arrays(tower))
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(path, partial)
+    export.add_vision_tensors(partial, vcfg, vision.tower_arrays(tower))
+    if text_tensors(partial) != text_tensors(path):
+        raise RuntimeError("adding the vision tower changed the text tensors")
+    model = from_pretrained(partial, dtype="float32")  # as LLM() serves it: bf16 weights
+    cases = vision.held_out(options.held_out, options.seed)
+    report["vision"]["caption_accuracy"] = vision.caption_accuracy(model, tokenizer, cases)
+    with open(os.path.join(partial, "training.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    shutil.rmtree(path)
+    os.rename(partial, path)
+    return report
 
 
 def main(argv=None) -> None:
@@ -109,9 +123,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=WEIGHTS)
     parser.add_argument("--steps", type=int, default=TrainOptions.steps)
     parser.add_argument("--seed", type=int, default=TrainOptions.seed)
-    parser.add_argument("--stage", choices=("text", "vision", "all", "draft"), default="text",
-                        help="text (the shipped weights), vision (on the text stage's checkpoint in OUT), both, "
-                             "or draft (the DSpark draft, distilled from the checkpoint in OUT)")
+    parser.add_argument("--stage", choices=("all", "text", "vision", "draft"), default="all",
+                        help="all (text then vision: the shipped k3-tiny), text, vision (a tower for the "
+                             "checkpoint in OUT, its text model frozen) or draft (the DSpark draft, distilled "
+                             "from the checkpoint in OUT)")
     parser.add_argument("--vision-steps", type=int, default=vision.VisionOptions.steps)
     parser.add_argument("--draft-steps", type=int, default=draft.DraftOptions.steps)
     args = parser.parse_args(argv)

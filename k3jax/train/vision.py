@@ -1,21 +1,32 @@
-"""The vision stage: trains k3-tiny's vision tower and projector (K3_TINY_VISION) to caption images,
-tuning the text model lightly beside it.
+"""The vision stage: trains k3-tiny's vision tower and projector (K3_TINY_VISION) against the frozen
+text model, to say which colour an image shows.
 
-The data are synthetic: one shape (SHAPES) of one colour (COLOURS) at a random place and size on a
-grey background of a random level, drawn with Pillow at a random size of SIZES_PX (4 to 16 image
-tokens). Each image becomes a chat turn in K3's format, rendered and expanded by the serving code
-itself (`serve.chat.encoding`, `serve.multimodal.expand_images`): the user sends the image and asks
-what it shows (image or question first), the assistant answers "A red circle." (in thinking mode
-after the reasoning "The image shows a red circle."). The loss is the replies' next-token
-cross-entropy, the caption's words weighted CAPTION_WEIGHT; the tower's outputs replace the
-`<|media_pad|>` embeddings.
+The data are synthetic: one shape (SHAPES) of one colour (COLOURS) at a random place, filling much of
+a grey background of a random level, drawn with Pillow at a random size of SIZES_PX (9 to 16 image
+tokens). Each image becomes an instant-mode chat turn in K3's format, rendered and expanded by the
+serving code itself (`serve.chat.encoding`, `serve.multimodal.expand_images`): the user sends the
+image and asks what it shows (image or question first), the assistant answers "A red shape.". The
+loss is the reply's next-token cross-entropy, the colour's word weighted CAPTION_WEIGHT; the tower's
+outputs replace the `<|media_pad|>` embeddings.
 
-Why the text model is tuned, not frozen: the text stage's k3-tiny is small and undertrained, and a
-few image embeddings alone do not steer it (frozen, the caption loss stays flat over 30 steps at
-learning rates from 3e-3 to 0.1). It starts from the checkpoint as served (bf16, MXFP4 experts
-decoded: `target.pretrained`), learns at a quarter of the text stage's peak rate, and every step's
-loss adds `text_rows` rows of the text stage's corpus so that it keeps what it knew;
-`python -m k3jax.train` measures the text figures again after this stage.
+The text model is frozen: it starts from the text stage's checkpoint as served (bf16, MXFP4 experts
+decoded: `target.pretrained`), gradients reach only the tower and projector, and the shipped
+checkpoint's text tensors are the text stage's byte for byte (`python -m k3jax.train` adds the tower
+to them; the DSpark draft distilled from the text model and the benchmarks measured on it stay
+valid). An earlier form of this stage tuned the text model beside the tower (a quarter of the text
+stage's learning rate, corpus rows in every step; 0bfd99e): at its budget captions stayed at chance
+and the text model's held-out perplexity rose 2.68 -> 2.75, so it never shipped.
+
+The shipped tower exercises the image path but does not see. Its run (600 steps of 8 images, 817 s
+on 2 cores shared with other jobs; k3jax/weights/k3-tiny/training.json, "vision"): the colour word's
+loss fell from 3.17 to 2.86 nats (means of the first and last 50 steps) and the reply's from 1.77 to
+1.64, but greedy instant replies to 100 held-out images name no colour at all (`caption_accuracy`:
+0.0 against chance 0.25): they open "Hellopi..." or call the tool, varying with the image. Teacher-
+forced to "A ", the right colour's first letter outranks the other three on 31 of those 100 images
+(chance 25; measured once, not in training.json). This text model ignores what a user writes at
+the start of its replies (with the colour's word typed in the question the word's loss is the same),
+so a few image embeddings in the user's turn barely steer it. Still, the tower's output changes the
+greedy reply with the image (tests/serve/test_server.py), which is what it is shipped for.
 """
 
 from __future__ import annotations
@@ -31,7 +42,6 @@ from PIL import Image, ImageDraw
 
 from k3jax.layers.ffn import training_moe
 from k3jax.model import K3Model
-from k3jax.train.target import TrainOptions, next_token_loss, optimizer
 from k3jax.vision.config import ImageProcessorConfig, VisionConfig
 from k3jax.vision.tower import PatchLayout, VisionTower, patch_layout
 from serve.chat.encoding import tokenize_messages
@@ -41,32 +51,27 @@ from serve.engine import Engine, EngineOptions
 from serve.multimodal import ImageInput, expand_images
 from serve.sampling import SamplingParams
 
-COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), "yellow": (240, 210, 20),
-           "purple": (140, 40, 180)}
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), "yellow": (240, 210, 20)}
 SHAPES = ("circle", "square", "triangle", "cross")
-SIZES_PX = (56, 84, 112)  # each side: 2 to 4 merged 28-px tokens
+SIZES_PX = (84, 112)  # each side: 3 or 4 merged 28-px tokens
 QUESTIONS = ("What does this image show?", "What is in this picture?", "Describe the image.", "What do you see?")
 MAX_PATCHES = (max(SIZES_PX) // 14) ** 2  # every image's patches padded to this: one compiled tower
-ROWS = {False: 192, True: 512}  # tokens a row predicts, instant and thinking mode (longest seen + margin)
-# the loss weight of the caption's words (the rest of a reply: 1): they are what the image decides, and
-# at weight 1 the reply's fixed markup, learnt in a few steps, dilutes them
+ROW = 160  # tokens a row predicts (the longest conversation: 160 tokens, 159 targets)
+# the loss weight of the colour's word (the rest of a reply: 1): it is what the image decides, and at
+# weight 1 the reply's fixed markup dilutes it
 CAPTION_WEIGHT = 4.0
 HELD_OUT_SEED = 1 << 20  # the held-out images' stream, apart from every training seed
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionOptions:
-    steps: int = 56
+    steps: int = 600
     batch: int = 8
-    thinking_every: int = 4  # every fourth step's batch is in thinking mode (its rows are ~3x as long)
-    text_rows: int = 2  # corpus rows per step: the text stage's data, so the text model keeps what it knew
-    text_length: int = 512
-    tower_lr: float = 3e-2  # a fresh tower, a few steps
-    text_lr: float = 1e-3  # a quarter of the text stage's peak
-    warmup: int = 5
+    lr: float = 3e-2  # a fresh tower
+    warmup: int = 10
     weight_decay: float = 0.01
     seed: int = 0
-    held_out: int = 40
+    held_out: int = 100
 
 
 def draw(rng: np.random.Generator) -> tuple[Image.Image, str, str]:
@@ -75,7 +80,7 @@ def draw(rng: np.random.Generator) -> tuple[Image.Image, str, str]:
     colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
     image = Image.new("RGB", (width, height), (int(rng.integers(0, 256)),) * 3)
     canvas = ImageDraw.Draw(image)
-    r = rng.uniform(0.25, 0.45) * min(width, height)  # half the shape's extent
+    r = rng.uniform(0.3, 0.5) * min(width, height)  # half the shape's extent
     cx, cy = rng.uniform(r, width - r), rng.uniform(r, height - r)
     fill = COLOURS[colour]
     if shape == "circle":
@@ -91,14 +96,14 @@ def draw(rng: np.random.Generator) -> tuple[Image.Image, str, str]:
     return image, colour, shape
 
 
-def messages(image: Image.Image, question: str, caption: str | None = None, image_first: bool = True) -> list[dict]:
-    """The user's turn (the image and the question, in either order) and, with a caption, the
+def messages(image: Image.Image, question: str, colour: str | None = None, image_first: bool = True) -> list[dict]:
+    """The user's turn (the image and the question, in either order) and, with a colour, the
     assistant's reply."""
     parts = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": question}]
     out = [{"role": "user", "content": parts if image_first else parts[::-1]}]
-    if caption is not None:
-        out.append({"role": "assistant", "reasoning_content": f"The image shows a {caption}.",
-                    "content": f"A {caption}."})
+    if colour is not None:
+        out.append({"role": "assistant", "reasoning_content": f"The image shows a {colour} shape.",
+                    "content": f"A {colour} shape."})
     return out
 
 
@@ -108,23 +113,24 @@ class Example:
     reply_start: int  # where the assistant's generated tokens begin (the prompt's length)
     pad_start: int  # the first <|media_pad|> position
     image: ImageInput
-    caption: tuple[int, int]  # [start, stop) of the caption's words in the reply's response channel
+    caption: tuple[int, int]  # [start, stop) of the colour's word in the reply's response channel
 
 
 def example(tokenizer: Tokenizer, processor: ImageProcessorConfig, image: Image.Image, question: str,
-            caption: str, thinking: bool, image_first: bool = True) -> Example:
+            colour: str, thinking: bool = False, image_first: bool = True) -> Example:
     prepared = ImageInput.from_image(image, processor)
-    convo = messages(image, question, caption, image_first)
+    convo = messages(image, question, colour, image_first)
     whole = expand_images(tokenize_messages(tokenizer, convo, thinking=thinking, add_generation_prompt=False),
                           [prepared], tokenizer)
     prompt = expand_images(tokenize_messages(tokenizer, convo[:1], thinking=thinking), [prepared], tokenizer)
-    words = tokenizer.encode(f" {caption}.")  # as the reply's "A red circle." holds them (byte tokens)
+    words = tokenizer.encode(f" {colour} shape.")  # as the reply's "A red shape." holds them (byte tokens)
     ids = np.asarray(whole.ids, np.int32)
     stop = max(i for i in range(len(prompt.ids), len(ids)) if ids[i - len(words):i].tolist() == words)
-    return Example(ids, len(prompt.ids), whole.spans[0].start, prepared, (stop - len(words) + 1, stop - 1))
+    start = stop - len(words) + 1
+    return Example(ids, len(prompt.ids), whole.spans[0].start, prepared, (start, start + len(colour)))
 
 
-def batch(cfg: VisionConfig, examples: list[Example], length: int):
+def batch(cfg: VisionConfig, examples: list[Example], length: int = ROW):
     """Arrays of a training step: tokens [B, length + 1] (0-padded), reply weights [B, length], the
     patches [B, MAX_PATCHES, 3, p, p] with their PatchLayouts stacked, pads' start [B] and count [B]."""
     b = len(examples)
@@ -157,67 +163,57 @@ def image_embeddings(tower_graphdef, tower_params, pixels, layouts: PatchLayout,
 
 def caption_loss(tower_params, text_params, tower_graphdef, text_graphdef, tokens, weights, pixels, layouts,
                  starts, counts):
-    """The replies' mean next-token cross-entropy with the tower's outputs at the pads."""
+    """The replies' weighted mean next-token cross-entropy with the tower's outputs at the pads, and
+    (aux) the mean over the colours' words alone."""
     embeds = image_embeddings(tower_graphdef, tower_params, pixels, layouts, starts, counts, tokens.shape[1] - 1)
-    with training_moe():  # the experts' differentiable path
+    with training_moe():  # the experts' differentiable path: gradients reach the pads through them
         logits = nnx.merge(text_graphdef, text_params).forward(tokens[:, :-1], embeds=embeds).logits
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
-    return jnp.sum(weights * nll) / jnp.sum(weights)
+    words = weights == CAPTION_WEIGHT
+    return jnp.sum(weights * nll) / jnp.sum(weights), jnp.sum(jnp.where(words, nll, 0.0)) / jnp.sum(words)
 
 
 class Stream:
-    """Training batches drawn from a seeded stream: images, questions, and the mode of each step."""
+    """Training batches drawn from a seeded stream of images and questions."""
 
     def __init__(self, tokenizer: Tokenizer, cfg: VisionConfig, processor: ImageProcessorConfig, seed: int):
         self.tokenizer, self.cfg, self.processor = tokenizer, cfg, processor
         self.rng = np.random.default_rng(seed)
 
-    def __call__(self, size: int, thinking: bool):
+    def __call__(self, size: int):
         examples = []
         for _ in range(size):
-            image, colour, shape = draw(self.rng)
+            image, colour, _ = draw(self.rng)
             question, image_first = str(self.rng.choice(QUESTIONS)), bool(self.rng.integers(2))
-            examples.append(example(self.tokenizer, self.processor, image, question, f"{colour} {shape}", thinking,
-                                    image_first))
-        return batch(self.cfg, examples, ROWS[thinking])
+            examples.append(example(self.tokenizer, self.processor, image, question, colour, image_first=image_first))
+        return batch(self.cfg, examples)
 
 
-def train(text_graphdef, text_params, cfg: VisionConfig, images, corpus_rows, options: VisionOptions, log=print):
-    """Trains a fresh fp32 tower (seeded by options.seed) and tunes the text model (of a
-    `training_config`, `target.pretrained`) on `images(batch, thinking)` and `corpus_rows(rows)` together. Returns (tower graphdef, tower
-    params, text params, per-step losses: captions and corpus)."""
+def train(text_graphdef, text_params, cfg: VisionConfig, images, options: VisionOptions, log=print):
+    """Trains a fresh fp32 tower (seeded by options.seed) on `images(batch)` against the frozen text
+    model (of a `training_config`, `target.pretrained`). Returns (tower graphdef, tower params,
+    per-step losses: the replies' weighted loss and the colours' words alone)."""
     tower_graphdef, tower = nnx.split(VisionTower(cfg, dtype=jnp.float32, rngs=nnx.Rngs(options.seed)))
     warmup = min(options.warmup, options.steps // 2)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, options.tower_lr, warmup, options.steps, options.tower_lr / 10)
-    tower_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=options.weight_decay))
-    text_tx = optimizer(TrainOptions(steps=options.steps, lr=options.text_lr, warmup=options.warmup,
-                                     weight_decay=options.weight_decay), text_params)
-
-    def loss(trainable, vision_arrays, corpus_arrays):
-        captions = caption_loss(*trainable, tower_graphdef, text_graphdef, *vision_arrays)
-        corpus, _ = next_token_loss(text_graphdef, trainable[1], *corpus_arrays)
-        return captions + corpus, (captions, corpus)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, options.lr, warmup, options.steps, options.lr / 10)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=options.weight_decay))
 
     @jax.jit
-    def step(trainable, states, vision_arrays, corpus_arrays):
-        (_, parts), grads = jax.value_and_grad(loss, has_aux=True)(trainable, vision_arrays, corpus_arrays)
-        out = [tx.update(g, s, p) for tx, g, s, p in zip((tower_tx, text_tx), grads, states, trainable)]
-        trainable = tuple(optax.apply_updates(p, u) for p, (u, _) in zip(trainable, out))
-        return trainable, tuple(s for _, s in out), parts
+    def step(tower, state, text_params, arrays):
+        (loss, word), grads = jax.value_and_grad(caption_loss, has_aux=True)(tower, text_params, tower_graphdef,
+                                                                             text_graphdef, *arrays)
+        updates, state = tx.update(grads, state, tower)
+        return optax.apply_updates(tower, updates), state, loss, word
 
-    trainable = (tower, text_params)
-    states = (tower_tx.init(tower), text_tx.init(text_params))
-    history = {"caption_loss": [], "corpus_loss": []}
+    state = tx.init(tower)
+    history = {"caption_loss": [], "word_loss": []}
     for i in range(options.steps):
-        thinking = i % options.thinking_every == options.thinking_every - 1
-        size = options.batch // 2 if thinking else options.batch  # rows ~3x as long: a step of like cost
-        trainable, states, (captions, corpus) = step(trainable, states, images(size, thinking),
-                                                     corpus_rows(options.text_rows))
-        history["caption_loss"].append(round(float(captions), 4))
-        history["corpus_loss"].append(round(float(corpus), 4))
+        tower, state, loss, word = step(tower, state, text_params, images(options.batch))
+        history["caption_loss"].append(round(float(loss), 4))
+        history["word_loss"].append(round(float(word), 4))
         if log and (i % 10 == 0 or i == options.steps - 1):
-            log(f"vision step {i}: caption loss {captions:.3f}, corpus loss {corpus:.3f}")
-    return tower_graphdef, trainable[0], trainable[1], history
+            log(f"vision step {i}: reply loss {loss:.3f}, colour word loss {word:.3f}")
+    return tower_graphdef, tower, history
 
 
 def tower_arrays(params) -> dict[tuple, np.ndarray]:
@@ -226,10 +222,9 @@ def tower_arrays(params) -> dict[tuple, np.ndarray]:
 
 
 def held_out(count: int, seed: int) -> list[tuple[Image.Image, str, str, str, bool]]:
-    """(image, colour, shape, question, image first, thinking) of images drawn apart from every
-    training stream; half of them asked in thinking mode."""
+    """(image, colour, shape, question, image first) of images drawn apart from every training stream."""
     rng = np.random.default_rng(HELD_OUT_SEED + seed)
-    return [(*draw(rng), str(rng.choice(QUESTIONS)), bool(rng.integers(2)), bool(i % 2)) for i in range(count)]
+    return [(*draw(rng), str(rng.choice(QUESTIONS)), bool(rng.integers(2))) for _ in range(count)]
 
 
 def named(content: str, words) -> list[str]:
@@ -238,24 +233,20 @@ def named(content: str, words) -> list[str]:
     return sorted((w for w in words if found[w] >= 0), key=found.get)
 
 
-def caption_accuracy(model: K3Model, tokenizer: Tokenizer, cases, max_tokens: int = 48) -> dict:
-    """Greedy replies through the serving engine to each held-out image: the share whose reply
-    (its response channel, `parse_output`) names the image's colour first, its shape first, and both,
-    with the chance levels of a reply that names one colour and one shape at random."""
+def caption_accuracy(model: K3Model, tokenizer: Tokenizer, cases, max_tokens: int = 24) -> dict:
+    """Greedy instant-mode replies through the serving engine to each held-out image: the share whose
+    reply (its response channel, `parse_output`) names the image's colour first, the share naming any
+    colour, and the chance level of a reply that names one colour at random."""
     engine = Engine(model, EngineOptions(max_model_len=1024, max_num_seqs=8), tokenizer=tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False,
                             spaces_between_special_tokens=False)  # as the parser reads it
     prompts = [expand_images(tokenize_messages(tokenizer, messages(image, question, image_first=first),
-                                               thinking=thinking),
+                                               thinking=False),
                              [ImageInput.from_image(image, model.vision.processor)], tokenizer)
-               for image, _, _, question, first, thinking in cases]
+               for image, _, _, question, first in cases]
     outputs = engine.generate(prompts, [params] * len(prompts))
-    colour_ok, shape_ok = [], []
-    for out, (_, colour, shape, _, _, thinking) in zip(outputs, cases):
-        content = parse_output(out.text, thinking=thinking).content or ""
-        colour_ok.append(named(content, COLOURS)[:1] == [colour])
-        shape_ok.append(named(content, SHAPES)[:1] == [shape])
-    colour_ok, shape_ok = np.asarray(colour_ok), np.asarray(shape_ok)
-    return {"images": len(cases), "colour": float(colour_ok.mean()), "shape": float(shape_ok.mean()),
-            "both": float((colour_ok & shape_ok).mean()), "chance_colour": 1 / len(COLOURS),
-            "chance_shape": 1 / len(SHAPES), "chance_both": 1 / (len(COLOURS) * len(SHAPES))}
+    said = [named(parse_output(out.text, thinking=False).content or "", COLOURS) for out in outputs]
+    right = [s[:1] == [colour] for s, (_, colour, *_) in zip(said, cases)]
+    return {"images": len(cases), "colour": float(np.mean(right)), "names_a_colour": float(np.mean([bool(s) for s in said])),
+            "chance_colour": 1 / len(COLOURS),
+            "replies": sorted({parse_output(out.text, thinking=False).content or "" for out in outputs})[:8]}

@@ -124,7 +124,7 @@ def test_stop_sequence_cuts_whole_and_streamed_alike(server):
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 BAD_REQUESTS = [
-    ({"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content[0]: this model has no vision tower"),
+    ({"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content[0]: the data is not an image"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0]"),
     ({"messages": USER + [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
      "messages[1].content[0]"),

@@ -57,8 +57,8 @@ def test_ids_outside_the_vocabulary_name_the_field(tokenizer):
 
 
 def test_a_chats_image_is_refused_by_part_without_a_vision_tower(tokenizer):
-    """The embedded k3-tiny has no vision tower: an image part is a 400 naming it, as in a chat
-    request (the counts of images a tower reads: tests/serve/test_api_images.py)."""
+    """Without a vision tower (the handler here gets no image processor) an image part is a 400
+    naming it, as in a chat request (the counts of images a tower reads: tests/serve/test_api_images.py)."""
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
                                              {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
     with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: this model has no vision tower"):

@@ -324,8 +324,9 @@ def test_bad_images_are_400s_naming_the_part(server, parts, message):
 
 
 def test_a_model_without_a_vision_tower_refuses_images_by_field():
-    """The embedded k3-tiny has no vision tower: an image part is a 400 naming it, never a silent 200
-    (refused before the engine runs a step, so nothing compiles here)."""
+    """A model without a vision tower (the embedded k3-tiny with its tower dropped): an image part is a
+    400 naming it on every route, never a silent 200 (refused before the engine runs a step, so nothing
+    compiles here)."""
     from fastapi.testclient import TestClient
 
     from k3jax.loading import from_pretrained
@@ -337,7 +338,7 @@ def test_a_model_without_a_vision_tower_refuses_images_by_field():
 
     path = default_model_dir()
     model = from_pretrained(path, dtype="float32")
-    assert model.vision is None
+    model.vision = None  # the text model alone, as a checkpoint without vision tensors loads
     app = build_app(AsyncEngine(Engine(model, tokenizer=load_tokenizer(path)), max_queued_requests=4),
                     ServerConfig(model_name="k3-tiny", model_path=path))
     content = [{"type": "text", "text": "hi"}, image_part(png_url(noise(0, 28, 28)))]
@@ -346,11 +347,16 @@ def test_a_model_without_a_vision_tower_refuses_images_by_field():
             {"role": "system", "content": "be brief"}, {"role": "user", "content": content}]})
         anthropic = client.post("/v1/messages", json={"model": "k3-tiny", "max_tokens": 4, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "hi"}, anthropic_image(noise(0, 28, 28))]}]})
+        responses = client.post("/v1/responses", json={"model": "k3-tiny", "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is it?"},
+            {"type": "input_image", "image_url": png_url(noise(0, 28, 28))}]}]})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages[1].content[1]"
     assert "no vision tower" in response.json()["error"]["message"]
     assert anthropic.status_code == 400
     assert anthropic.json()["error"]["message"].startswith("messages[0].content[1]: this model has no vision tower")
+    assert responses.status_code == 400
+    assert responses.json()["error"]["message"].startswith("input[0].content[1]: this model has no vision tower")
 
 
 def anthropic_image(image: Image.Image) -> dict:
