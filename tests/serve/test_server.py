@@ -444,3 +444,35 @@ def test_echo_logprobs_give_k3jax_evals_loglikelihoods(server, referee):
         want, want_greedy = scorer(tokens, np.array([len(ids)]), np.array([len(context)]))
         assert abs(got - float(want[0])) <= 1e-4 * max(1.0, abs(float(want[0]))), (got, want)
         assert greedy == bool(want_greedy[0])
+
+
+def test_an_image_counts_its_tokens_and_changes_the_greedy_reply(server):
+    """The embedded k3-tiny takes images (issue 24): a chat request's image, a PNG data URL, counts in
+    usage.prompt_tokens as its media run, <|media_begin|> "image WxH" <|media_content|>, a
+    <|media_pad|> per merged 28 x 28 px patch and <|media_end|>; and another image behind the same text
+    gives another greedy reply (instant mode: its tiny tower sees no colour, but its output steers the
+    reply; the first tokens differ by margins of about 0.25 in fp32)."""
+    import base64
+    import io
+
+    from PIL import Image, ImageDraw
+
+    def shape(fill, draw) -> str:
+        image = Image.new("RGB", (112, 84), (128, 128, 128))  # 4 x 3 merged patches
+        getattr(ImageDraw.Draw(image), draw)((20, 10, 92, 74), fill=fill)
+        out = io.BytesIO()
+        image.save(out, "PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+    def ask(*images):
+        content = [*({"type": "image_url", "image_url": {"url": url}} for url in images),
+                   {"type": "text", "text": "What is in this picture?"}]
+        return alone(server, chat, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=8,
+                     reasoning_effort="none", extra_body=LONG)
+
+    red_square, blue_circle = ask(shape((220, 30, 30), "rectangle")), ask(shape((30, 70, 220), "ellipse"))
+    media_run = 1 + len(load_tokenizer(default_model_dir()).encode("image 112x84")) + 1 + 4 * 3 + 1
+    assert red_square.usage.prompt_tokens == blue_circle.usage.prompt_tokens == ask().usage.prompt_tokens + media_run
+    assert red_square.usage.completion_tokens == blue_circle.usage.completion_tokens == 8
+    replies = [(r.choices[0].message.content, r.choices[0].message.tool_calls) for r in (red_square, blue_circle)]
+    assert replies[0] != replies[1]
