@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                           "(a security risk: for trusted clients only)")
     parser.add_argument("--limit-mm-per-prompt", type=_mm_limits, default={"image": DEFAULT_IMAGE_LIMIT},
                         help='JSON, most items per prompt by modality, e.g. \'{"image": 4}\' (default '
-                             f'{DEFAULT_IMAGE_LIMIT}, as vLLM V1); more get 400')
+                             f'{DEFAULT_IMAGE_LIMIT}, as vLLM V1); more get 400. An image limit of 0 serves text '
+                             'only: the vision tower is not loaded and no image step compiles')
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for open requests before cancelling them")
     parser.add_argument("--slow-reader-timeout", type=float, default=30.0,
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("loading %s", path)
     model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
                             mesh=None if args.mesh == "1x1" else args.mesh)
+    if args.limit_mm_per_prompt["image"] == 0:  # text only, as vLLM: no encoder, no image form of each prefill step
+        model.vision = None
     engine = Engine(model, options, tokenizer=load_tokenizer(path))
     if args.role is not None and engine.runner.spans_processes:  # the handoff's reads and writes are one process's
         log.error("--role: not on a mesh that spans several processes")

@@ -319,11 +319,11 @@ def _with_images(ids: list[int], images: list[dict], engine: AsyncEngine, config
     vision, inputs = engine.engine.model.vision, []
     for part in images:
         path, source = part["block"], part["source"]
-        if vision is None:
-            raise FieldError(path, f"{path}: this model has no vision tower; it takes no images")
-        if len(inputs) == config.limit_mm_per_prompt:
+        if len(inputs) == config.limit_mm_per_prompt:  # first: a limit of 0 drops the tower (k3jax.serve)
             raise FieldError(path, f"{path}: at most {config.limit_mm_per_prompt} images per prompt on this server "
                                    "(--limit-mm-per-prompt)")
+        if vision is None:
+            raise FieldError(path, f"{path}: this model has no vision tower; it takes no images")
         if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
             raise FieldError(f"{path}.source", f"{path}.source: only base64 image sources are served (this server "
                                                "fetches nothing remote)")

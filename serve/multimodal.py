@@ -159,10 +159,10 @@ def chat_images(messages: list, processor: ImageProcessorConfig | None, *, allow
             if kind not in IMAGE_PART_TYPES:
                 continue
             field = f"messages[{i}].content[{j}]"
+            if len(images) == limit:  # first: a limit of 0 drops the tower (k3jax.serve)
+                raise ValueError(f"{field}: at most {limit} images per prompt on this server (--limit-mm-per-prompt)")
             if processor is None:
                 raise ValueError(f"{field}: this model has no vision tower; it takes no images")
-            if len(images) == limit:
-                raise ValueError(f"{field}: at most {limit} images per prompt on this server (--limit-mm-per-prompt)")
             if kind == "image_pil":  # vLLM's offline form: a Pillow image (LLM.chat)
                 images.append(load_image(part.get("image_pil"), processor, field=field))
                 continue

@@ -36,11 +36,12 @@ from serve.engine import Engine, EngineOptions
 from serve import runner
 from serve.llm import default_model_dir, load_tokenizer
 from serve.sampling import SamplingParams
+from tests.serve.test_server import TEXT_ONLY
 
 OPTIONS = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, max_prefill_chunk=16, max_prefill_rows=1,
                block_size=4)
 FLAGS = ["--max-model-len", "64", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
-         "--max-num-partial-prefills", "1", "--block-size", "4", "--dtype", "float32"]
+         "--max-num-partial-prefills", "1", "--block-size", "4", "--dtype", "float32", *TEXT_ONLY]
 # k3-tiny's tokens 0..255 are bytes. 2 tokens: one handed over; 9: two full pages handed over; 40: a
 # prefill of three chunks, 39 tokens on 10 pages
 TEXT = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"

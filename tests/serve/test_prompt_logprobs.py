@@ -12,13 +12,14 @@ import k3jax
 from serve.llm import default_model_dir, load_tokenizer
 from serve.sampling import MAX_LOGPROBS
 from tests.agreement import FP32, Referee
-from tests.serve.test_server import MODEL, USER, post, start_server
+from tests.serve.test_server import MODEL, TEXT_ONLY, USER, post, start_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from start_server(tmp_path_factory, "--max-model-len", "1024", "--max-num-seqs", "2",
-                            "--max-num-batched-tokens", "16", "--max-num-partial-prefills", "1")
+                            "--max-num-batched-tokens", "16", "--max-num-partial-prefills", "1",
+                            *TEXT_ONLY)
 
 
 @pytest.fixture(scope="module")

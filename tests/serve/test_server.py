@@ -35,6 +35,8 @@ MAX_RUNNING, MAX_QUEUED = 2, 32
 MAX_BODY_BYTES = 1 << 16
 STARTUP_TIMEOUT_S = 600
 USER = [{"role": "user", "content": "hi"}]
+# a server that answers no images: the embedded model's tower is not loaded, nor its image steps compiled
+TEXT_ONLY = ("--limit-mm-per-prompt", '{"image": 0}')
 LONG = {"ignore_eos": True}  # extra_body: random weights may sample EOS early
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
                                                  "parameters": {"type": "object",

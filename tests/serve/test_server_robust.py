@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.serve.test_server import API_KEY, LONG, MODEL, USER, start_server, wait_idle
+from tests.serve.test_server import API_KEY, LONG, MODEL, TEXT_ONLY, USER, start_server, wait_idle
 
 MAX_RUNNING, MAX_QUEUED, MAX_N = 2, 4, 4
 SHUTDOWN_TIMEOUT_S = 3
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
     yield from start_server(tmp_path_factory, "--max-model-len", "1024", "--max-num-seqs", str(MAX_RUNNING),
                             "--max-num-batched-tokens", "16", "--max-num-partial-prefills", "1",
                             "--max-queued-requests", str(MAX_QUEUED), "--max-n", str(MAX_N),
-                            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
+                            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), *TEXT_ONLY)
 
 
 def post(server, path: str, body: dict, headers=AUTH) -> tuple[int, dict]:
@@ -133,6 +133,21 @@ def test_deeply_nested_fields_are_refused(server):
     # a schema of ordinary depth is fine
     tool = {"type": "function", "function": {"name": "f", "parameters": nested(8)}}
     assert post(server, "/v1/chat/completions", chat_body(tools=[tool]))[0] == 200
+
+
+def test_an_image_limit_of_0_serves_text_only(server):
+    """This module's server runs with --limit-mm-per-prompt '{"image": 0}' (TEXT_ONLY): vLLM's text-only
+    mode, in which the embedded model's tower is not loaded. An image part is a 400 naming the part and
+    the limit (not the tower: the server was told to take none); text is served beside it."""
+    url = "data:image/png;base64,iVBORw0KGgo="
+    for path, content in (("/v1/chat/completions", {"type": "image_url", "image_url": {"url": url}}),
+                          ("/v1/messages", {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                         "data": url.split(",")[1]}})):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, content]}]
+        status, body = post(server, path, chat_body(messages=messages))
+        message = body["error"]["message"] if "message" in body["error"] else body["error"]
+        assert status == 400 and "messages[0].content[1]: at most 0 images per prompt" in str(message), body
+    assert post(server, "/v1/chat/completions", chat_body())[0] == 200
 
 
 # --- defect 6: a large prompt was tokenized on the engine thread ----------------------------------

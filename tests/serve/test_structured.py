@@ -17,7 +17,7 @@ from serve.chat.parsing import parse_output
 from serve.llm import LLM
 from serve.sampling import SamplingParams
 from serve.structured import StructuredOutputsParams
-from tests.serve.test_server import MODEL, start_server
+from tests.serve.test_server import MODEL, TEXT_ONLY, start_server
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_a_bad_grammar_is_refused_naming_the_field(llm):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from start_server(tmp_path_factory, "--max-model-len", "1024", "--max-num-seqs", "4",
-                            "--enable-prefix-caching")
+                            "--enable-prefix-caching", *TEXT_ONLY)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

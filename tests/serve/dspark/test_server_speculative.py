@@ -12,7 +12,7 @@ import pytest
 
 from convert import synth
 from k3jax.serve import parse_args
-from tests.serve.test_server import API_KEY, LONG, MODEL, Server, _wait_for_url, wait_idle
+from tests.serve.test_server import API_KEY, LONG, MODEL, TEXT_ONLY, Server, _wait_for_url, wait_idle
 
 K = 3
 
@@ -27,7 +27,8 @@ def server(tmp_path_factory):
             "draft_sample_method": "probabilistic"}
     command = [sys.executable, "-m", "k3jax.serve", "--port", "0", "--dtype", "float32", "--api-key", API_KEY,
                "--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
-               "--max-num-partial-prefills", "1", "--speculative-config", json.dumps(spec), "--log-level", "warning"]
+               "--max-num-partial-prefills", "1", "--speculative-config", json.dumps(spec), "--log-level", "warning",
+               *TEXT_ONLY]
     with open(log, "w") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
                                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
