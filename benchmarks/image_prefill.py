@@ -26,7 +26,7 @@ from serve.llm import LLM
 from serve.multimodal import PLACEHOLDER, ImageInput, expand_images
 from serve.sampling import SamplingParams
 
-SIZES = ((224, 224), (448, 448))  # 64 and 256 image tokens
+SIZES = ((224, 224), (448, 448), (1920, 1080))  # 64, 256 and 2691 image tokens
 ROUNDS = 9
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 
@@ -42,7 +42,7 @@ def ttft_ms(engine: Engine, prompt) -> float:
 
 
 def main() -> None:
-    llm = LLM(max_prefill_chunk=512, max_num_batched_tokens=512, max_model_len=1024)  # the embedded k3-tiny, bf16
+    llm = LLM(max_prefill_chunk=4096, max_num_batched_tokens=4096, max_model_len=4096)  # the embedded k3-tiny, bf16
     engine, vision, tokenizer = llm.engine, llm.model.vision, llm.engine.tokenizer
     text_model = K3Model(llm.model.config, llm.model.graphdef, llm.model.params)  # the same weights, no tower
     text_engine = Engine(text_model, engine.options, tokenizer=tokenizer)
