@@ -5,8 +5,8 @@ same model without the tower (what having a tower costs a text prefill: since 4d
 carries no embeddings override; results before it measured one of zeros). The image is timed with its
 encoder run (a new image each round) and with the encoder's output cached (the same image again;
 prefix caching off, so the prefill is recomputed). Also the encoder alone: images/s and patches/s.
-Two image sizes, interleaved rounds, medians. Results before the embedded model had a tower were
-measured on a synthetic k3-tiny (random weights, the same shapes).
+Three image sizes (SIZES), interleaved rounds, medians. Results before the embedded model had a tower
+were measured on a synthetic k3-tiny (random weights, the same shapes).
 
     python -m benchmarks.image_prefill
 """
