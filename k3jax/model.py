@@ -120,8 +120,9 @@ class K3Model:
         elif moe_ops.wants_split_experts():
             params = split_routed_experts(params)
         self.params = params
-        self.structure = Structure(graphdef, params)  # what the jitted functions take, with
-        self.param_leaves = self.structure.leaves(params)  # the parameters as they take them fastest
+        # what the jitted functions take: the structure (static) and the parameters as a list (Structure says why)
+        self.structure = Structure(graphdef, params)
+        self.param_leaves = self.structure.leaves(params)
 
     @classmethod
     def from_module(cls, module: K3Transformer, mesh: Mesh | None = None) -> "K3Model":

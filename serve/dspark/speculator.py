@@ -82,7 +82,7 @@ class DSparkSpeculator:
         self.taps = TapSpec(tuple(cfg.target_layer_ids), cfg.target_hidden_tap)
         graphdef, params = nnx.split(draft)
         self.structure = Structure(graphdef, params)
-        self.params = self.structure.leaves(params)  # as the jitted steps take them fastest
+        self.param_leaves = self.structure.leaves(params)  # as K3Model's: what the jitted steps take
         self.head = shared_head(target)
         self.mesh = target.mesh
         self.kv_cache_dtype = kv_cache_dtype or target.dtype
@@ -124,7 +124,7 @@ class DSparkSpeculator:
     def _observe(self, taps, counts, offsets, table) -> None:
         counts, offsets, table = (multihost.replicated(a, self.mesh) for a in (counts, offsets, table))
         with self._mesh():
-            self.pages = _inject(self.structure, self.params, self.pages, taps, counts, offsets, table)
+            self.pages = _inject(self.structure, self.param_leaves, self.pages, taps, counts, offsets, table)
 
     def propose(self, requests, num_rows: int) -> tuple[np.ndarray, object]:
         bonus = np.zeros(num_rows, np.int32)
@@ -147,7 +147,7 @@ class DSparkSpeculator:
                                            for a in (bonus, positions, table, *batch))
         with self._mesh():
             drafts, draft_logits, self.pages = _propose(
-                self.structure, self.params, self.pages, bonus, positions, table, self.head, SamplingBatch(*batch),
+                self.structure, self.param_leaves, self.pages, bonus, positions, table, self.head, SamplingBatch(*batch),
                 not self.probabilistic, self.num_speculative_tokens)
         if self.spans_processes:
             drafts = multihost.local_copy(drafts, self.mesh)

@@ -49,7 +49,7 @@ def one_shot_drafts(model, spec, tokens, computed, num_tokens, flips=()):  # noq
     padded = np.zeros((1, MAX_LEN), np.int32)
     padded[0, :computed] = tokens[:computed]
     drafts, logits = _one_shot(model.graphdef, spec.structure, spec.taps, spec.cfg, num_tokens, model.params,
-                               spec.params, spec.head, jnp.asarray(padded), jnp.int32(computed),
+                               spec.param_leaves, spec.head, jnp.asarray(padded), jnp.int32(computed),
                                jnp.int32(tokens[computed]), agreement.flip_table(flips))
     return np.asarray(drafts)[0].tolist(), np.asarray(logits)[0]
 
