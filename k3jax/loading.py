@@ -34,9 +34,10 @@ def embedded_dir(name: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", name)
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> K3Model:
+def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None, vision: bool = True) -> K3Model:
     """Loads K3 or Kimi Linear from `path` (Hugging Face safetensors or a `python -m convert` output),
-    with the vision tower as `model.vision` when the checkpoint has one (else None).
+    with the vision tower as `model.vision` when the checkpoint has one and `vision` is set (else None:
+    a text-only model, whose tower's tensors are not read).
 
     `dtype` ("bfloat16" or "float32") is the weight and activation dtype; the gate parameters, conv
     weights and router bias stay float32 and MXFP4 experts stay packed. `mesh` (None, a string such as
@@ -63,8 +64,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype="bfloat16", mesh=None) -> 
     if missing:
         raise CheckpointError(f"the checkpoint filled no value for parameters {missing[:5]}")
     params = nnx.from_flat_state([(p, targets[p].replace(values[p])) for p in targets])
-    vision = load_vision_encoder(path, cfg, dtype=dtype, mesh=mesh, source=source)
-    return K3Model(cfg, graphdef, params, mesh, vision)
+    encoder = load_vision_encoder(path, cfg, dtype=dtype, mesh=mesh, source=source) if vision else None
+    return K3Model(cfg, graphdef, params, mesh, encoder)
 
 
 def _fill(values: dict, targets: dict, prefix: tuple, arrays: dict, mesh):

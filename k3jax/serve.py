@@ -202,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("k3jax.serve")
     log.info("loading %s", path)
     model = from_pretrained(path, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
-                            mesh=None if args.mesh == "1x1" else args.mesh)
-    if args.limit_mm_per_prompt["image"] == 0:  # text only, as vLLM: no encoder, no image form of each prefill step
-        model.vision = None
+                            mesh=None if args.mesh == "1x1" else args.mesh,
+                            vision=args.limit_mm_per_prompt["image"] > 0)  # 0: text only, as vLLM
     engine = Engine(model, options, tokenizer=load_tokenizer(path))
     if args.role is not None and engine.runner.spans_processes:  # the handoff's reads and writes are one process's
         log.error("--role: not on a mesh that spans several processes")

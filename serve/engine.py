@@ -383,7 +383,7 @@ class Engine:
             request.computed += len(new)
         self._register(r for _, r in rows)
         ready = [(i, r) for i, (_, r) in enumerate(rows) if r.pending == 0]
-        return (self._sampler(ready, num_rows)(logits) if ready else None), ready
+        return (self.sampler(ready, num_rows)(logits) if ready else None), ready
 
     def _register(self, requests) -> None:
         """Caches the requests' newly filled pages (and a KDA snapshot at a prompt's boundary)."""
@@ -415,7 +415,7 @@ class Engine:
             request.computed += 1
         ready = list(enumerate(requests))
         self.num_steps_ahead += 1
-        return _Ahead(requests, num_rows, ready, self._sampler(ready, num_rows, in_flight=1)(logits))
+        return _Ahead(requests, num_rows, ready, self.sampler(ready, num_rows, in_flight=1)(logits))
 
     def _can_run_ahead(self, requests: list[Request]) -> bool:
         scheduler, limit = self.scheduler, self.options.max_model_len
@@ -439,8 +439,9 @@ class Engine:
             self._register(self._ahead.requests)
         return touched
 
-    def _sampler(self, ready, num_rows: int, in_flight: int = 0) -> StepSampler:
-        """Built after the step's model call is dispatched: grammar masks are computed while it runs."""
+    def sampler(self, ready, num_rows: int, in_flight: int = 0) -> StepSampler:
+        """The sampler of a step's `ready` (row, request) pairs in `num_rows` rows (serve/warmup.py compiles
+        it too). Built after the step's model call is dispatched: grammar masks are computed while it runs."""
         return StepSampler.for_rows(ready, num_rows, vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
                                     seed=self.options.seed, in_flight=in_flight,
                                     allowed=self.grammars.allowed(ready, num_rows))

@@ -47,7 +47,7 @@ def _run(engine, num_rows: int, num_tokens: int) -> None:
         engine.speculator.observe([], taps)
     for params in sampling.VARIANTS:
         ready = [(0, Request("warmup", [0], params, -1))]
-        picked(engine._sampler(ready, num_rows)(logits), ready)
+        picked(engine.sampler(ready, num_rows)(logits), ready)
 
 
 def _compile_ahead(engine, shapes, done: int, total: int, log) -> None:
@@ -58,7 +58,7 @@ def _compile_ahead(engine, shapes, done: int, total: int, log) -> None:
         if num_rows in samplers:
             samplers.discard(num_rows)
             for params in sampling.VARIANTS:
-                engine._sampler([(0, Request("warmup", [0], params, -1))], num_rows).compile(logits)
+                engine.sampler([(0, Request("warmup", [0], params, -1))], num_rows).compile(logits)
         done += 1
         if log is not None:
             log(done, total)

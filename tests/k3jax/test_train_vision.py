@@ -86,6 +86,7 @@ def test_training_lowers_the_caption_loss_and_the_export_loads_the_trained_tower
     assert text_tensors(tmp_path) == stored  # the text tensors byte for byte
     loaded = k3jax.from_pretrained(tmp_path, dtype="float32")
     np.testing.assert_array_equal(loaded.logits(tokens), text_only.logits(tokens))
+    assert loaded.vision is not None and k3jax.from_pretrained(tmp_path, dtype="float32", vision=False).vision is None
     # the checkpoint stores bf16: the trained tower with exactly that rounding, run by the same encoder
     rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in trained.items()}
     reference = encoder_from_arrays(vcfg, ImageProcessorConfig(), rounded, dtype="float32")
