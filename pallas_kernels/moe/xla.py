@@ -83,22 +83,27 @@ def _ragged_ffn(x, group_sizes, w_gate, w_up, w_down, activation):
     return jnp.where(padding, 0.0, matmul(hidden, w_down))
 
 
-def _tile_rows(m: int, num_experts: int) -> int:
-    """Rows per tile. With no more rows than experts (decode), one row: a one-row product is a
-    matrix-vector product, which XLA:CPU runs on both cores once the weight passes about 2 MiB
-    (split_experts.py), while YNNPACK's products of 2 to 8 rows read a [1024, 1024] fp32 weight from
-    memory at only 7-10 GB/s. Otherwise the power of two at or above the mean group size, at least 16
-    (YNNPACK's 8-row product took 582 us there against 474 us for 16 rows), at most 512 and m; each
-    non-empty group wastes less than one tile."""
-    if m <= num_experts:
+def _tile_rows(m: int, num_experts: int, *, split: bool) -> int:
+    """Rows per tile. When nearly every non-empty group has one row (batch-1 decode), one: a one-row
+    product is a matrix-vector product, which XLA:CPU runs on both cores once the weight passes about
+    2 MiB (split_experts.py). Otherwise the power of two at or above the mean group size, at most 512
+    and m, and at least 4 for split (large) experts or 16 for stacked (small) ones; each non-empty group
+    wastes less than one tile.
+
+    Large experts come from memory: products of 2 to 4 rows read a 4 MiB weight at 21 GB/s and of 16
+    rows at 17 (`_rows_times`), so a batch-16 step's MoE layer, its 64 rows over 28 of 32 experts,
+    took 12.0 ms with 4-row tiles against 17.5 with 16 (fp32, D 1024, F 512). Small experts stay in
+    cache, where a tile costs its ops, not its bytes: on k3-tiny (16 experts of 32 x 32), a batch-4
+    step took 1.4 ms with one-row tiles against 1.85 with 4 (medians of interleaved runs)."""
+    if (4 * m if split else m) <= num_experts:
         return 1
     mean = -(-m // num_experts)
-    return min(m, max(16, min(512, 1 << (mean - 1).bit_length())))
+    return min(m, max(4 if split else 16, min(512, 1 << (mean - 1).bit_length())))
 
 
 def _loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
     m, num_experts = x_MD.shape[0], group_sizes.shape[0]
-    tile = _tile_rows(m, num_experts)
+    tile = _tile_rows(m, num_experts, split=False)
     ends = jnp.cumsum(group_sizes)
     (active,) = jnp.nonzero(group_sizes > 0, size=min(m, num_experts), fill_value=0)  # <= m non-empty
     num_active = jnp.count_nonzero(group_sizes)
@@ -114,7 +119,7 @@ def _loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
 
 def _split_loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
     m, num_experts = x_MD.shape[0], group_sizes.shape[0]
-    tile = _tile_rows(m, num_experts)
+    tile = _tile_rows(m, num_experts, split=True)
     ends = jnp.cumsum(group_sizes)
 
     def one_expert(e, out):
@@ -132,14 +137,21 @@ def _split_loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
     return out
 
 
+def _rows_times(x_TD, w_FD):
+    """x [T, in] . w [out, in] -> [T, out] in fp32, computed as w . x^T: XLA:CPU reads an [out, in]
+    weight as the left operand of a few-row product at 16-21 GB/s, and as the right one at 8-10
+    (4 MiB fp32 weights, 2 to 16 rows; one row runs 27 GB/s either way). The barrier keeps XLA from
+    folding the transpose back into the product, which would swap the operands again."""
+    y_FT = jax.lax.dot_general(w_FD, x_TD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(y_FT).T
+
+
 def _gated(gate_FD, up_FD, activation, x_TD):
-    gate_TF = jax.lax.dot_general(x_TD, gate_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-    up_TF = jax.lax.dot_general(x_TD, up_FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-    return activation(gate_TF, up_TF).astype(x_TD.dtype)
+    return activation(_rows_times(x_TD, gate_FD), _rows_times(x_TD, up_FD)).astype(x_TD.dtype)
 
 
 def _gated_fused(gate_up_2FD, activation, x_TD):
-    gate_up_T2F = jax.lax.dot_general(x_TD, gate_up_2FD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
+    gate_up_T2F = _rows_times(x_TD, gate_up_2FD)
     f = gate_up_2FD.shape[0] // 2
     return activation(gate_up_T2F[:, :f], gate_up_T2F[:, f:]).astype(x_TD.dtype)
 
@@ -156,8 +168,7 @@ def _expert_rows(x_MD, out_MD, start, end, tile, hidden, w_down_DF):
         at = jnp.minimum(first, m - tile)  # the last tile slides back to stay inside x
         rows = at + jnp.arange(tile)
         hidden_TF = hidden(jax.lax.dynamic_slice_in_dim(x_MD, at, tile))
-        y = jax.lax.dot_general(hidden_TF, w_down_DF, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-        y = y.astype(x_MD.dtype)  # [tile, D]
+        y = _rows_times(hidden_TF, w_down_DF).astype(x_MD.dtype)  # [tile, D]
         mine = ((rows >= first) & (rows < end))[:, None]  # leave other groups' rows untouched
         y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, at, tile))
         return jax.lax.dynamic_update_slice_in_dim(out, y, at, axis=0)

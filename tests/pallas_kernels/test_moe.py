@@ -120,10 +120,12 @@ def test_moe_ffn_matches_numpy(impl, wkind, dtype):
 
 
 # (rows, group sizes): empty groups and padding rows past the sum; fewer rows than experts (one-row
-# tiles, a group of two running the loop past its first tile); a group spanning two 16-row tiles, the
-# last of which slides back over another group's rows; all rows padding
-GROUPS = [(9, [2, 0, 3, 0, 0, 1, 0, 1]), (6, [0, 2, 0, 0, 1, 0, 0, 1]), (20, [3, 0, 0, 0, 0, 0, 0, 17]),
-          (5, [0] * 8)]
+# tiles for stacked experts, 4-row ones for split experts; a group of two running the stacked loop past
+# its first tile); at most a quarter as many rows as experts (one-row tiles for split experts too, a
+# group of two past its first); a group spanning two 16-row tiles (five 4-row ones), the last of which
+# slides back over another group's rows; all rows padding
+GROUPS = [(9, [2, 0, 3, 0, 0, 1, 0, 1]), (6, [0, 2, 0, 0, 1, 0, 0, 1]), (2, [0, 0, 2, 0, 0, 0, 0, 0]),
+          (20, [3, 0, 0, 0, 0, 0, 0, 17]), (5, [0] * 8)]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
