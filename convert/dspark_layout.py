@@ -1,8 +1,8 @@
 """The K3 DSpark draft checkpoint layout (ARCHITECTURE.md, "DSpark draft"): every
 tensor name, its shape as stored ([out, in] for linears) and the draft parameter it fills.
 
-Paths are those of k3jax.dspark.model.DSparkDraft; linear weights are stored transposed there
-([in, out] kernels). Names carry no `model.` prefix (a loader strips one).
+Paths are those of k3jax.dspark.model.DSparkDraft, whose linear kernels keep the stored [out, in]
+(the confidence head's kernel is kept [in, 1]). Names carry no `model.` prefix (a loader strips one).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ CONFIDENCE_PREFIX = "confidence_head."
 class DraftTensor(NamedTuple):
     shape: tuple[int, ...]  # as stored
     path: tuple  # of the draft parameter
-    transpose: bool  # stored [out, in], kept [in, out]
+    transpose: bool  # stored [out, in], kept [in, out] (the confidence head's kernel only)
 
 
 def draft_tensors(cfg: DSparkConfig) -> dict[str, DraftTensor]:
     h, heads, f = cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size
 
     def linear(name, out_features, in_features, path):
-        return {name: DraftTensor((out_features, in_features), path + ("kernel",), True)}
+        return {name: DraftTensor((out_features, in_features), path + ("kernel",), False)}
 
     def norm(name, size, path):
         return {name: DraftTensor((size,), path + ("weight",), False)}

@@ -33,7 +33,7 @@ _NUMPY_DTYPES = {layout.BF16: ml_dtypes.bfloat16, layout.F32: np.float32}
 def stored(rule: layout.Rule, param: np.ndarray) -> np.ndarray:
     """A parameter as its checkpoint tensor stores it (the inverse of the rule's transform)."""
     param = np.asarray(param, np.float32)
-    if rule.transform == "linear":
+    if rule.transform == "transpose":
         value = param.T
     elif rule.transform == "squeeze":
         value = param[None]

@@ -22,7 +22,6 @@ from k3jax.vision.config import vision_config
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-_BLOCK_BYTES = 16 * 2**20  # rows read at a time when transposing
 _SKIPPED = re.compile(r"(^vision_tower\.|^mm_projector\.|rotary_emb\.)")
 
 
@@ -104,10 +103,8 @@ class HfParams:
                     self._check(rule, expert, rule.shape)
                     self.used.add(expert)
             return stacked
-        if rule.transform == "linear":
-            return self._read_transposed(rule, self._present(name, rule))
         array = self._tensor(rule, self._present(name, rule), None)
-        if rule.transform in ("vector", "squeeze"):
+        if rule.transform in ("linear", "vector", "squeeze"):
             _expect(name, array, rule.shape)
             return array.reshape(-1) if rule.transform == "squeeze" else array
         if rule.transform == "conv":  # [P, 1, W] or [P, W] -> [W, P]
@@ -121,20 +118,6 @@ class HfParams:
                 raise CheckpointError(f"{name} has {array.size} entries, fewer than the {heads} KDA heads")
             return array.reshape(-1)[:heads]
         raise AssertionError(f"unknown transform {rule.transform}")
-
-    def _read_transposed(self, rule: layout.Rule, name: str) -> np.ndarray:
-        """A linear weight stored [out, in] as the kernel [in, out] in the parameter dtype, transposed a
-        block of rows at a time: the LM head alone is as large as a layer, and is never held twice."""
-        stored = self._check(rule, name, rule.shape)
-        rows, cols = rule.shape
-        kernel = np.empty((cols, rows), self._param_dtype(rule, stored))
-        step = max(1, _BLOCK_BYTES // (cols * stored.itemsize))
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            kernel[:, start:stop] = self.reader.read(name, rows=(start, stop)).T
-        self.used.add(name)
-        self.bytes_read += rows * cols * stored.itemsize
-        return kernel
 
     def _present(self, name: str, rule: layout.Rule) -> str:
         """`name`, or the alias under which this checkpoint stores the tensor."""

@@ -3,7 +3,7 @@ parameter tree (ARCHITECTURE.md, "Checkpoint names").
 
 Each `Rule` names one checkpoint tensor (relative to its layer, or to the model), the shape and dtype
 it is stored with, the parameter path it fills and the transform on the way:
-- "linear": [out, in] -> kernel [in, out];
+- "linear": a Linear kernel, [out, in] as stored;
 - "vector": as stored;
 - "squeeze": the AttnRes pseudo-query [1, H] -> [H];
 - "conv": depthwise conv [P, 1, W] (or [P, W]) -> [W, P];

@@ -24,7 +24,7 @@ from k3jax.config import K3Config
 
 PARAMS_DIR = "params"
 MANIFEST = "manifest.json"
-FORMAT = "k3jax-orbax-v2"  # v2: uncompressed items, one item per model-level tensor
+FORMAT = "k3jax-orbax-v3"  # v2: uncompressed items, one item per model-level tensor; v3: Linear kernels [out, in]
 
 
 VISION_ITEM = "vision"  # the vision tower and projector, one item (K3's: 0.4B parameters)

@@ -1,7 +1,7 @@
 """The checkpoint layout of the vision tower and projector.
 
 Names as published by K2.5 and K3 (`vision_tower.*`, `mm_projector.*`), with `convert.layout.Rule`
-transforms ("linear" [out, in] -> [in, out], "vector" as stored) plus "patch": the patch
+transforms ("transpose": [out, in] -> [in, out], the tower's kernels; "vector" as stored) plus "patch": the patch
 convolution [D, 3, p, p] as the linear kernel [3*p*p, D] over a patch flattened (channel, y, x).
 The synthetic checkpoint writer and the loader (`k3jax.vision.weights`) both read this table.
 """
@@ -62,7 +62,7 @@ def vision_arrays(cfg: VisionConfig, stored: set[str], read) -> dict[tuple, np.n
         array = read(rule)
         if tuple(array.shape) != rule.shape:
             raise CheckpointError(f"{rule.name} has shape {tuple(array.shape)}, expected {rule.shape}")
-        if rule.transform == "linear":  # [out, in] -> [in, out]
+        if rule.transform == "transpose":  # [out, in] -> [in, out]
             array = array.T
         elif rule.transform == "patch":  # [D, 3, p, p] -> [3*p*p, D]
             array = array.reshape(array.shape[0], -1).T
@@ -82,7 +82,7 @@ def _norm(name: str, size: int, kind: str, path: tuple) -> list[Rule]:
 
 
 def _linear(name: str, out_features: int, in_features: int, bias: bool, path: tuple) -> list[Rule]:
-    rules = [Rule(name + ".weight", (out_features, in_features), BF16, (*path, "kernel"), "linear")]
+    rules = [Rule(name + ".weight", (out_features, in_features), BF16, (*path, "kernel"), "transpose")]
     if bias:
         rules.append(_vector(name + ".bias", out_features, (*path, "bias")))
     return rules

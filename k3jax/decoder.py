@@ -29,6 +29,7 @@ from k3jax.layers.common import Linear, RMSNorm, param
 from k3jax.layers.ffn import MoE, GatedMLP
 from k3jax.layers.kda import KDACache, KimiDeltaAttention, Recorded
 from k3jax.layers.mla import MLACache, MLAPages, MultiHeadLatentAttention
+from pallas_kernels.linear import linear
 
 
 class Batch(NamedTuple):
@@ -268,10 +269,8 @@ class K3Transformer(nnx.Module):
         if last_of is not None:
             h = jnp.take_along_axis(h, jnp.maximum(last_of - 1, 0)[:, None, None], axis=1)[:, 0]
         h = self.norm(h)
-        if cfg.tie_word_embeddings:
-            logits = jnp.dot(h, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
-        else:
-            logits = self.lm_head(h, jnp.float32)
+        head = self.embed_tokens if cfg.tie_word_embeddings else self.lm_head.kernel  # both [V, H]
+        logits = linear(h, head[...])
         if cfg.logit_scale != 1.0:
             logits = logits * cfg.logit_scale
         return logits

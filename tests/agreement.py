@@ -87,7 +87,7 @@ def _record(margin, top, group_margin, applied):
 
 def _scores(x, kernel, bias, cfg):
     """ffn.route's scores and biased choice (grouped top-k masks the dropped groups), and the group margin."""
-    logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32))
+    logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32).T)  # kernel [E, H]
     scores = jax.nn.sigmoid(logits) if cfg.moe_router_activation_func == "sigmoid" else jax.nn.softmax(logits, -1)
     choice = scores + bias
     group_margin = jnp.full(x.shape[:1], jnp.inf, jnp.float32)

@@ -27,6 +27,7 @@ from k3jax.dspark.markov import markov_sample
 from k3jax.layers.common import Linear, RMSNorm, param
 from k3jax.layers.ffn import GatedMLP
 from k3jax.layers.mla import MLAPages, MultiHeadLatentAttention, page_slots
+from pallas_kernels.linear import linear
 
 __all__ = ["DSparkDraft", "SharedHead", "init_draft_pages", "inject_context", "propose", "shared_head"]
 
@@ -44,7 +45,7 @@ class DraftLayer(nnx.Module):
 class DSparkDraft(nnx.Module):
     """The draft's own parameters (embedding and LM head are the target's: see `shared_head`).
 
-    Attribute paths follow the checkpoint names (k3jax.dspark.loading maps them); kernels are [in, out].
+    Attribute paths follow the checkpoint names (k3jax.dspark.loading maps them); kernels are [out, in].
     The confidence head (`confidence_kernel` [in, 1], `confidence_bias` [1]) exists only when the config
     enables it; it is loaded and kept but not used in drafting (adaptive verification is not built).
     """
@@ -72,13 +73,12 @@ class SharedHead(NamedTuple):
     """The target's token embedding and LM head, which the draft uses as its own."""
 
     embed: jax.Array  # [V, H]
-    lm_head: jax.Array | None  # [H, V] kernel; None: tied to embed
+    lm_head: jax.Array | None  # [V, H] kernel; None: tied to embed
     logit_scale: float  # the target's
 
     def logits(self, h):
         """float32 [..., V] of the draft's final-normed hidden states h [..., H]."""
-        weight = self.embed.T if self.lm_head is None else self.lm_head
-        return jnp.dot(h, weight.astype(h.dtype), preferred_element_type=jnp.float32) * self.logit_scale
+        return linear(h, self.embed if self.lm_head is None else self.lm_head) * self.logit_scale
 
 
 def shared_head(model) -> SharedHead:

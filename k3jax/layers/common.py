@@ -1,8 +1,8 @@
 """Parameters, linear layers and norms shared by every layer.
 
 Parameters carry their logical axis names as `logical_axes` metadata (ARCHITECTURE.md, "Meshes"); the
-sharding package maps those names to mesh axes. Linear kernels are stored [in, out] (the checkpoint's
-[out, in] transposed) and every projection is bias-free.
+sharding package maps those names to mesh axes. Linear kernels are stored [out, in], as the checkpoint
+stores them (`pallas_kernels.linear` says why), and every projection is bias-free.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from pallas_kernels.linear import linear
 
 
 def param(rngs: nnx.Rngs | None, shape, axes: tuple[str, ...], dtype, init: str = "normal",
@@ -33,16 +35,22 @@ def param(rngs: nnx.Rngs | None, shape, axes: tuple[str, ...], dtype, init: str 
     return nnx.Param(value, logical_axes=axes)
 
 
+def transposed(p: nnx.Param) -> nnx.Param:
+    """A 2-D parameter transposed, logical axes too: kernels kept [out, in] are drawn [in, out], so a
+    seed gives the same random model as it did when kernels were kept [in, out]."""
+    return nnx.Param(p.get_value().T, logical_axes=p.get_metadata()["logical_axes"][::-1])
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel, kernel [in, out]; fp32 accumulation, output in x's dtype."""
+    """y = x @ kernel^T, kernel [out, in]; fp32 accumulation, output in x's dtype. `axes` names the
+    (in, out) logical axes."""
 
     def __init__(self, in_features: int, out_features: int, axes: tuple[str, str], *, dtype, rngs,
                  stddev: float | None = None):
-        self.kernel = param(rngs, (in_features, out_features), axes, dtype, stddev=stddev)
+        self.kernel = transposed(param(rngs, (in_features, out_features), axes, dtype, stddev=stddev))
 
     def __call__(self, x, out_dtype=None):
-        y = jnp.dot(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
-        return y.astype(out_dtype or x.dtype)
+        return linear(x, self.kernel[...], out_dtype or x.dtype)
 
 
 class RMSNorm(nnx.Module):

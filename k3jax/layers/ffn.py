@@ -11,9 +11,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.layers.common import Linear, RMSNorm, param
+from k3jax.layers.common import Linear, RMSNorm, param, transposed
 from pallas_kernels import moe as moe_ops
 from pallas_kernels.activations import GatedActivation
+from pallas_kernels.linear import linear
 from pallas_kernels.moe import Mxfp4Tensor, SplitExperts
 from pallas_kernels.moe import xla as moe_xla
 from pallas_kernels.mxfp4_format import GROUP, random_scale_byte
@@ -153,11 +154,12 @@ class MoE(nnx.Module):
 
 
 class Router(nnx.Module):
-    """fp32 sigmoid (or softmax) scores; e_score_correction_bias affects selection only."""
+    """fp32 sigmoid (or softmax) scores; e_score_correction_bias affects selection only. The kernel is
+    [E, H], as stored, like a Linear's."""
 
     def __init__(self, cfg: K3Config, *, dtype, rngs):
         self.cfg = cfg
-        self.kernel = param(rngs, (cfg.hidden_size, cfg.num_experts), ("embed", "experts_replicated"), dtype)
+        self.kernel = transposed(param(rngs, (cfg.hidden_size, cfg.num_experts), ("embed", "experts_replicated"), dtype))
         self.e_score_correction_bias = param(None, (cfg.num_experts,), ("experts_replicated",), jnp.float32,
                                              init="zeros")
 
@@ -167,7 +169,7 @@ class Router(nnx.Module):
 
 
 def route(x, kernel, bias, cfg: K3Config):
-    logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32))
+    logits = linear(x.astype(jnp.float32), kernel)
     if cfg.moe_router_activation_func == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:

@@ -148,7 +148,7 @@ class MultiHeadLatentAttention(nnx.Module):
         attend = jax.shard_map(
             functools.partial(_attend_shard, kv_lora_rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim ** -0.5),
             mesh=jax.sharding.get_abstract_mesh(),
-            in_specs=(heads, heads, P(None, DATA), P(None, MODEL), P(None, MODEL), P()), out_specs=heads,
+            in_specs=(heads, heads, P(None, DATA), P(MODEL), P(MODEL), P()), out_specs=heads,
             check_vma=False)
         o = attend(q_nope, q_rope, rows, w_uk, w_uv, lengths)
         return self._output(x, o), MLACache(rows.astype(cache.latent.dtype))
@@ -206,11 +206,12 @@ class MultiHeadLatentAttention(nnx.Module):
         return self.o_proj(o)
 
     def _up_weights(self):
-        """kv_b_proj split per head: W_UK [C_lat, heads, nope] and W_UV [C_lat, heads, v]."""
+        """kv_b_proj [heads * (nope + v), C_lat] split per head: W_UK [heads, nope, C_lat] and
+        W_UV [heads, v, C_lat]."""
         cfg = self.cfg
-        w = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_attention_heads,
-                                               cfg.qk_nope_head_dim + cfg.v_head_dim)
-        return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
+        w = self.kv_b_proj.kernel[...].reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                               cfg.kv_lora_rank)
+        return w[:, :cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
     def _naive(self, q_nope, q_rope, rows, q_offset, kv_length, scale):
         return _naive_attention(q_nope, q_rope, rows, *self._up_weights(), q_offset, kv_length, scale,
@@ -220,22 +221,23 @@ class MultiHeadLatentAttention(nnx.Module):
         """q_nope [..., heads, nope], q_rope [..., heads, rope] -> [..., heads, v]: the query mapped into
         the latent space, `attend` (latent queries -> attention-weighted latent rows), then W_UV."""
         w_uk, w_uv = self._up_weights()
-        q_latent = jnp.einsum("...hn,chn->...hc", q_nope, w_uk.astype(q_nope.dtype),
+        # weight first: XLA:CPU runs the other operand order as a bf16 DotThunk, which it does not support
+        q_latent = jnp.einsum("hnc,...hn->...hc", w_uk.astype(q_nope.dtype), q_nope,
                               preferred_element_type=jnp.float32).astype(q_nope.dtype)
         out_latent = attend(jnp.concatenate([q_latent, q_rope], axis=-1))
-        return jnp.einsum("...hc,chv->...hv", out_latent, w_uv.astype(out_latent.dtype),
+        return jnp.einsum("...hc,hvc->...hv", out_latent, w_uv.astype(out_latent.dtype),
                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
 
 def _naive_attention(q_nope, q_rope, rows, w_uk, w_uv, q_offset, kv_length, scale, kv_lora_rank: int):
-    """The naive form: cache rows [B, S, C] expanded per head by W_UK [C_lat, heads, nope] and
-    W_UV [C_lat, heads, v] into keys and values, then causal attention of q [B, T, heads, *] at
+    """The naive form: cache rows [B, S, C] expanded per head by W_UK [heads, nope, C_lat] and
+    W_UV [heads, v, C_lat] into keys and values, then causal attention of q [B, T, heads, *] at
     positions q_offset[b] + t over the first kv_length[b] rows -> [B, T, heads, v]."""
     latent, k_rope = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
     latent = latent.astype(q_nope.dtype)
-    k_nope = jnp.einsum("bsc,chn->bshn", latent, w_uk.astype(latent.dtype),
+    k_nope = jnp.einsum("bsc,hnc->bshn", latent, w_uk.astype(latent.dtype),
                         preferred_element_type=jnp.float32).astype(q_nope.dtype)
-    v = jnp.einsum("bsc,chv->bshv", latent, w_uv.astype(latent.dtype),
+    v = jnp.einsum("bsc,hvc->bshv", latent, w_uv.astype(latent.dtype),
                    preferred_element_type=jnp.float32).astype(q_nope.dtype)
     k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(q_nope.dtype), (*k_nope.shape[:3], k_rope.shape[-1]))
     q = jnp.concatenate([q_nope, q_rope], axis=-1)

@@ -131,8 +131,8 @@ def block_logits(draft: DSparkDraft, head: SharedHead, tokens, taps, anchors):
         context_rows = attn.cache_rows(context, context_positions)  # [B, T, C]
         block_rows = attn.cache_rows(h, block_positions).reshape(b, a, k, -1)
         q_nope, q_rope = attn.queries(h, block_positions)
-        w = attn.kv_b_proj.kernel[...].reshape(width, heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        q = jnp.concatenate([jnp.einsum("bthn,chn->bthc", q_nope, w[..., :cfg.qk_nope_head_dim]), q_rope], -1)
+        w = attn.kv_b_proj.kernel[...].reshape(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, width)
+        q = jnp.concatenate([jnp.einsum("hnc,bthn->bthc", w[:, :cfg.qk_nope_head_dim], q_nope), q_rope], -1)
         q = q.reshape(b, a, k, heads, -1) * cfg.qk_head_dim ** -0.5
         scores = jnp.concatenate([
             jnp.where(seen, jnp.einsum("bakhc,btc->bakht", q, context_rows), -jnp.inf),
@@ -140,7 +140,7 @@ def block_logits(draft: DSparkDraft, head: SharedHead, tokens, taps, anchors):
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
         latent = (jnp.einsum("bakht,btc->bakhc", probs[..., :t], context_rows[..., :width])
                   + jnp.einsum("bakhj,bajc->bakhc", probs[..., t:], block_rows[..., :width]))
-        o = jnp.einsum("bakhc,chv->bakhv", latent, w[..., cfg.qk_nope_head_dim:])
+        o = jnp.einsum("bakhc,hvc->bakhv", latent, w[:, cfg.qk_nope_head_dim:])
         x = x + attn.o_proj(o.reshape(b, a * k, heads * cfg.v_head_dim).astype(x.dtype))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return head.logits(draft.final_norm(x)).reshape(b, a, k, -1)

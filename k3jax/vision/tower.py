@@ -13,8 +13,8 @@ them), padding masked out of attention: one compiled program serves every image 
 where a static grid compiled one per size (a server sees many sizes; each compile of the full tower
 takes seconds).
 
-Parameters are stored in the layout of k3jax/layers (kernels [in, out]); `k3jax.vision.weights`
-maps the checkpoint's `vision_tower.*` / `mm_projector.*` tensors onto them.
+Kernels are kept [in, out] (the text model keeps [out, in], for few-row products: the tower only
+ever runs many rows); `k3jax.vision.weights` maps the checkpoint's `vision_tower.*` / `mm_projector.*` tensors onto them.
 """
 
 from __future__ import annotations

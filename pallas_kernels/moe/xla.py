@@ -23,10 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.linear import linear
 from pallas_kernels.moe.mxfp4 import Mxfp4Tensor, dequantize
 from pallas_kernels.moe.split_experts import SplitExperts
-
-_CONTRACT_LAST = (((1,), (1,)), ((), ()))  # x [rows, in] . w [out, in] -> [rows, out]
 
 
 def expert_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, *, activation, strategy: str | None = None):
@@ -91,7 +90,7 @@ def _tile_rows(m: int, num_experts: int, *, split: bool) -> int:
     wastes less than one tile.
 
     Large experts come from memory: products of 2 to 4 rows read a 4 MiB weight at 21 GB/s and of 16
-    rows at 17 (`_rows_times`), so a batch-16 step's MoE layer, its 64 rows over 28 of 32 experts,
+    rows at 17 (`pallas_kernels.linear`), so a batch-16 step's MoE layer, its 64 rows over 28 of 32 experts,
     took 12.0 ms with 4-row tiles against 17.5 with 16 (fp32, D 1024, F 512). Small experts stay in
     cache, where a tile costs its ops, not its bytes: on k3-tiny (16 experts of 32 x 32), a batch-4
     step took 1.4 ms with one-row tiles against 1.85 with 4 (medians of interleaved runs)."""
@@ -137,21 +136,12 @@ def _split_loop_ffn(x_MD, group_sizes, w_gate, w_up, w_down, activation):
     return out
 
 
-def _rows_times(x_TD, w_FD):
-    """x [T, in] . w [out, in] -> [T, out] in fp32, computed as w . x^T: XLA:CPU reads an [out, in]
-    weight as the left operand of a few-row product at 16-21 GB/s, and as the right one at 8-10
-    (4 MiB fp32 weights, 2 to 16 rows; one row runs 27 GB/s either way). The barrier keeps XLA from
-    folding the transpose back into the product, which would swap the operands again."""
-    y_FT = jax.lax.dot_general(w_FD, x_TD, _CONTRACT_LAST, preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(y_FT).T
-
-
 def _gated(gate_FD, up_FD, activation, x_TD):
-    return activation(_rows_times(x_TD, gate_FD), _rows_times(x_TD, up_FD)).astype(x_TD.dtype)
+    return activation(linear(x_TD, gate_FD), linear(x_TD, up_FD)).astype(x_TD.dtype)
 
 
 def _gated_fused(gate_up_2FD, activation, x_TD):
-    gate_up_T2F = _rows_times(x_TD, gate_up_2FD)
+    gate_up_T2F = linear(x_TD, gate_up_2FD)
     f = gate_up_2FD.shape[0] // 2
     return activation(gate_up_T2F[:, :f], gate_up_T2F[:, f:]).astype(x_TD.dtype)
 
@@ -168,7 +158,7 @@ def _expert_rows(x_MD, out_MD, start, end, tile, hidden, w_down_DF):
         at = jnp.minimum(first, m - tile)  # the last tile slides back to stay inside x
         rows = at + jnp.arange(tile)
         hidden_TF = hidden(jax.lax.dynamic_slice_in_dim(x_MD, at, tile))
-        y = _rows_times(hidden_TF, w_down_DF).astype(x_MD.dtype)  # [tile, D]
+        y = linear(hidden_TF, w_down_DF, x_MD.dtype)  # [tile, D]
         mine = ((rows >= first) & (rows < end))[:, None]  # leave other groups' rows untouched
         y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, at, tile))
         return jax.lax.dynamic_update_slice_in_dim(out, y, at, axis=0)

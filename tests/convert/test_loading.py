@@ -50,7 +50,7 @@ def test_k3_checkpoint_loads_and_places_every_tensor(k3_dir):
     for f in k3_dir.glob("*.safetensors"):
         tensors.update(load_file(str(f)))
     np.testing.assert_array_equal(_param(model, 5, "self_attn", "q_proj", "kernel"),
-                                  tensors[f"{p}5.self_attn.q_proj.weight"].astype(np.float32).T)
+                                  tensors[f"{p}5.self_attn.q_proj.weight"].astype(np.float32))
     np.testing.assert_array_equal(_param(model, 9, "block_sparse_moe", "experts", "w2", "packed")[3],
                                   tensors[f"{p}9.block_sparse_moe.experts.3.w2.weight_packed"])
     a_log = tensors[f"{p}2.self_attn.A_log"]

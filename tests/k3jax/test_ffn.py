@@ -45,7 +45,7 @@ def test_router_matches_numpy(make_cfg):
     x = rng.standard_normal((24, cfg.hidden_size))
     kernel = rng.standard_normal((cfg.hidden_size, cfg.num_experts)) / 8
     bias = rng.standard_normal(cfg.num_experts) * 0.3  # large enough to change the selection
-    ids, w = route(jnp.asarray(x, jnp.float32), jnp.asarray(kernel, jnp.float32), jnp.asarray(bias, jnp.float32), cfg)
+    ids, w = route(jnp.asarray(x, jnp.float32), jnp.asarray(kernel.T, jnp.float32), jnp.asarray(bias, jnp.float32), cfg)
     ref_ids, ref_w, margin = np_route(x, kernel, bias, cfg, margins=True)
     # every decision of these inputs is clear of a tie by far more than fp32 rounding moves a score
     # (~1e-7): the selections must then agree exactly
@@ -71,7 +71,7 @@ def test_latent_moe_block_matches_numpy():
     with jax.default_matmul_precision("highest"):
         out = np.asarray(moe(jnp.asarray(x, jnp.float32)[None]))[0]
 
-    w = lambda lin: np.asarray(lin.kernel[...], np.float64)  # noqa: E731
+    w = lambda lin: np.asarray(lin.kernel[...], np.float64).T  # [in, out]  # noqa: E731
     deq = lambda t: mxfp4.dequantize(np.asarray(t.packed[...]), np.asarray(t.scales[...])).astype(np.float64)  # noqa
     beta, lin, eps = cfg.activation_situ_beta, cfg.activation_situ_linear_beta, cfg.rms_norm_eps
     ids, weights, margin = np_route(x, w(moe.gate), np.asarray(moe.gate.e_score_correction_bias[...]), cfg, margins=True)

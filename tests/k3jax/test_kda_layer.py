@@ -13,7 +13,7 @@ from tests.k3jax.tiny_configs import k3_tiny, kimi_linear_tiny
 
 def np_kda_layer(layer, cfg, x, conv_prev=None, state=None):
     """One sequence x [T, H] in float64; returns (out, conv window, state)."""
-    w = lambda lin: np.asarray(lin.kernel[...], np.float64)  # noqa: E731
+    w = lambda lin: np.asarray(lin.kernel[...], np.float64).T  # [in, out]  # noqa: E731
     t = x.shape[0]
     heads, d, size = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
     qkv = np.concatenate([x @ w(layer.q_proj), x @ w(layer.k_proj), x @ w(layer.v_proj)], -1)

@@ -23,7 +23,7 @@ def _layer(**changes):
 
 def np_mla(layer, cfg, x):
     """Spec 2.5 in float64 for one sequence x [T, H] (NoPE)."""
-    w = lambda lin: np.asarray(lin.kernel[...], np.float64)  # noqa: E731
+    w = lambda lin: np.asarray(lin.kernel[...], np.float64).T  # [in, out]  # noqa: E731
     norm = lambda v, g: v / np.sqrt(np.mean(v ** 2, -1, keepdims=True) + cfg.rms_norm_eps) * np.asarray(g[...])  # noqa
     t, heads = x.shape[0], cfg.num_attention_heads
     c_q = norm(x @ w(layer.q_a_proj), layer.q_a_layernorm.weight)

@@ -81,12 +81,12 @@ def test_commit_after_a_verify_window_equals_decoding_the_accepted_tokens(model)
             # the window's MLA runs the naive form, a decode the absorbed one: reassociation, ~1e-6 per layer
             np.testing.assert_allclose(np.asarray(logits[i, j]), np.asarray(step_logits[0, 0]), rtol=1e-4,
                                        atol=1e-4, err_msg=f"row {i} window position {j}")
-    # The layers' inputs carry the MLA reassociation above, so the states agree to that level here;
-    # given equal layer inputs they agree to fp32 rounding (the next test).
+    # The layers' inputs carry the MLA reassociation above, so the states agree to that level here
+    # (measured max 1.6e-5); given equal layer inputs they agree to fp32 rounding (the next test).
     for got, want in zip(committed, _kda_pools(decoded)):
         for slot in (1, 2):
             np.testing.assert_allclose(np.asarray(got.state[slot]), np.asarray(want.state[slot]),
-                                       rtol=1e-4, atol=1e-5)
+                                       rtol=1e-4, atol=3e-5)
             np.testing.assert_allclose(np.asarray(got.conv[slot]), np.asarray(want.conv[slot]),
                                        rtol=1e-4, atol=1e-4)
 
@@ -118,10 +118,10 @@ def test_commit_is_a_token_by_token_decode_of_the_same_layer_inputs(model):
         for j in range(int(accepted[i])):
             decoded = step(x[:, j:j + 1], decoded)
         # fp32 to the last few ulps: the window's projections are one [T]-row matmul, the decodes
-        # T one-row ones, and XLA blocks (so rounds) them differently; measured max 1.8e-7
-        np.testing.assert_allclose(np.asarray(committed.state[1 + i]), np.asarray(decoded.state[1 + i]),
-                                   rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(np.asarray(committed.conv[1 + i]), np.asarray(decoded.conv[1 + i]))
+        # T one-row ones, and XLA blocks (so rounds) them differently; measured max 1.8e-7 (state),
+        # 6e-7 (conv window)
+        for got, want in ((committed.state, decoded.state), (committed.conv, decoded.conv)):
+            np.testing.assert_allclose(np.asarray(got[1 + i]), np.asarray(want[1 + i]), rtol=1e-5, atol=1e-6)
 
 
 def _layer_by_layer(model, tokens):

@@ -1,6 +1,6 @@
 """An independent NumPy (float64) forward of the DSpark draft over contiguous arrays: the test oracle.
 
-It reads the draft's parameters by name from the flat nnx state (kernels [in, out]) and writes the
+It reads the draft's parameters by name from the flat nnx state (kernels turned [in, out]) and writes the
 math out plainly: RoPE as a complex rotation of adjacent pairs, naive MLA with per-head keys and
 values expanded from the latent, full softmax over every context position plus the whole block.
 """
@@ -11,7 +11,8 @@ from flax import nnx
 
 def params_of(draft) -> dict[str, np.ndarray]:
     flat = nnx.to_flat_state(nnx.state(draft, nnx.Param))
-    return {".".join(map(str, path)): np.asarray(v.get_value(), np.float64) for path, v in flat}
+    params = {".".join(map(str, path)): np.asarray(v.get_value(), np.float64) for path, v in flat}
+    return {name: value.T if name.endswith(".kernel") else value for name, value in params.items()}
 
 
 def rms(x, w, eps):
@@ -69,7 +70,7 @@ def block_logits(p, cfg, head, context, bonus, position):
         gate, up_ = h @ p[f"layers.{l}.mlp.gate_proj.kernel"], h @ p[f"layers.{l}.mlp.up_proj.kernel"]
         x = x + (gate / (1 + np.exp(-gate)) * up_) @ p[f"layers.{l}.mlp.down_proj.kernel"]
     h = rms(x, p["final_norm.weight"], cfg.rms_norm_eps)
-    return h @ np.asarray(lm_head, np.float64) * logit_scale, block_rows
+    return h @ np.asarray(lm_head, np.float64).T * logit_scale, block_rows  # lm_head [V, H]
 
 
 def markov_greedy(base, bonus, w1, w2, scale):

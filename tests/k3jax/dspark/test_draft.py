@@ -36,7 +36,7 @@ def setup(cfg):
     draft = nnx.merge(graphdef, state)
     v, h = cfg.vocab_size, cfg.hidden_size
     head = dd.SharedHead(jnp.asarray(rng.standard_normal((v, h)), jnp.float32),
-                         jnp.asarray(rng.standard_normal((h, v)) * h ** -0.5, jnp.float32), 1.3)
+                         jnp.asarray(rng.standard_normal((h, v)).T * h ** -0.5, jnp.float32), 1.3)  # [V, H]
     return draft, head
 
 
@@ -203,6 +203,6 @@ def test_shared_head_is_the_targets(tied):
     head = dd.shared_head(model)
     embed = np.asarray(model.params["embed_tokens"][...])
     np.testing.assert_array_equal(np.asarray(head.embed), embed)
-    weight = embed.T if tied else np.asarray(model.params["lm_head"]["kernel"][...])
+    weight = (embed if tied else np.asarray(model.params["lm_head"]["kernel"][...])).T
     h = np.random.default_rng(6).standard_normal((2, target_cfg.hidden_size)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(head.logits(jnp.asarray(h))), h @ weight * 1.5, rtol=1e-5, atol=1e-5)

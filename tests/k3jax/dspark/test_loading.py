@@ -1,5 +1,5 @@
 """Draft checkpoints: `python -m convert.synth --preset k3-tiny-dspark` -> load_draft gives back the
-written tensors (kernels transposed); the `model.` prefix, shards and ignored embed/lm_head tensors are
+written tensors (the confidence kernel transposed); the `model.` prefix, shards and ignored embed/lm_head tensors are
 accepted; missing, unexpected or misshapen tensors are errors naming them; the synthetic draft gives
 logits of the target head's scale."""
 
@@ -56,7 +56,7 @@ def assert_loaded_equals(model, tensors):
     for path, v in flat:
         name = hf_name(path)
         names.add(name)
-        want = tensors[name].T if path[-1] in ("kernel", "confidence_kernel") else tensors[name]
+        want = tensors[name].T if path[-1] == "confidence_kernel" else tensors[name]
         np.testing.assert_array_equal(np.asarray(v.get_value(), np.float32), want, err_msg=name)
     assert names == {n for n in tensors if not n.startswith(("embed_tokens", "lm_head"))}
 
@@ -134,7 +134,7 @@ def test_mesh_placement(draft_dir):
     mesh = make_mesh("8x2")
     _, model = load_draft(draft_dir, TARGET, dtype="float32", mesh=mesh)
     q_b = model.layers[0].self_attn.q_b_proj.kernel[...]
-    assert q_b.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert q_b.sharding.spec == jax.sharding.PartitionSpec("model", None)
     assert model.markov_w2[...].sharding.spec == jax.sharding.PartitionSpec("model", None)
 
 
@@ -144,7 +144,7 @@ def test_synthetic_draft_logits_are_non_degenerate(draft_dir, tmp_path):
     synth.main(["--preset", "k3-tiny", "--out", str(tmp_path / "target")])
     target = checkpoint_tensors(tmp_path / "target")
     head = dd.SharedHead(jnp.asarray(target["language_model.model.embed_tokens.weight"]),
-                         jnp.asarray(target["language_model.lm_head.weight"].T), 1.0)
+                         jnp.asarray(target["language_model.lm_head.weight"]), 1.0)
     cfg, model = load_draft(draft_dir, TARGET, dtype="float32")
     rng = np.random.default_rng(0)
     n, t, page_size = 4, 8, 4
