@@ -261,10 +261,10 @@ class Engine:
         untouched), so nothing compiles while serving.
 
         With `background`, only what a first request needs (one decode row, one prefill row of the
-        shortest chunk) compiles before this returns; the other shapes of a plain engine compile on a
-        daemon thread, returned, which lowers and compiles them without running a step, so the engine
-        may serve meanwhile (a request that needs a shape not compiled yet compiles it in its step).
-        A speculative engine always warms in full. `log(done, total)` reports progress."""
+        shortest chunk) compiles before this returns; the other shapes (with a speculator, its verify,
+        commit and draft programs too) compile on a daemon thread, returned, which lowers and compiles
+        them without running a step, so the engine may serve meanwhile (a request that needs a shape not
+        compiled yet compiles it in its step). `log(done, total)` reports progress."""
         return warmup.warmup(self, background=background, log=log)
 
     def reset_prefix_cache(self) -> None:

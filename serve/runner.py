@@ -78,6 +78,12 @@ def _commit(pools, records, slots, accepted, targets):
                  for pool, record in zip(pools, records))
 
 
+def output_spec(compiled, index: int):
+    """Output `index` of a compiled program as ShapeDtypeStructs with their shardings (None stays None)."""
+    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                        compiled.out_info[index], compiled.output_shardings[index])
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_slot(pools, source, target):
     """Copies one KDA slot (state and conv window, every layer) to another; MLA pages are untouched."""
@@ -145,16 +151,30 @@ class Runner:
             raise ValueError("embeds: only the prefill steps of a runner with embed_width take them")
         return () if embeds is None else tuple(embeds)
 
-    def compile(self, num_rows: int, num_tokens: int) -> jax.ShapeDtypeStruct:
+    def compile(self, num_rows: int, num_tokens: int):
         """Compiles the step of [num_rows, num_tokens] without running it. Lowering fills jit's caches,
         so the first real step of that shape only dispatches; it reads the pools' shapes, not their
-        buffers, so another thread may run steps meanwhile. Returns what the step's logits will be
-        (shape, dtype, sharding), for compiling the sampler that takes them."""
+        buffers, so another thread may run steps meanwhile. Returns what the step's logits and taps
+        (None without taps) will be (shape, dtype, sharding), for compiling what takes them."""
         arrays = self._arrays([], num_rows, num_tokens)
         compiled = self._call(_step, arrays, pools=self._pool_specs, compile_only=True)
         if self.embed_width is not None and num_tokens > 1:  # the same step with images
             embeds = (np.zeros((num_rows, num_tokens, self.embed_width), np.float32), np.zeros((num_rows, num_tokens), bool))
             self._call(_step, arrays, embeds=embeds, pools=self._pool_specs, compile_only=True)
+        return self._logits_spec(compiled), output_spec(compiled, 2)
+
+    def compile_verify(self, num_rows: int, window: int):
+        """`compile` for `verify`: what its logits, taps and KDA records will be."""
+        compiled = self._call(_verify, self._arrays([], num_rows, window), pools=self._pool_specs, compile_only=True)
+        return self._logits_spec(compiled), output_spec(compiled, 2), output_spec(compiled, 3)
+
+    def compile_commit(self, records, num_rows: int) -> None:
+        """`compile` for `commit` of `records` (as `compile_verify` says they will be) over num_rows rows."""
+        slots = multihost.replicated(np.zeros(num_rows, np.int32), self.model.mesh)
+        with self._mesh():
+            _commit.lower(self._pool_specs, records, slots, slots, slots).compile()
+
+    def _logits_spec(self, compiled) -> jax.ShapeDtypeStruct:
         logits = compiled.out_info[0]
         # across processes the sampler takes the leader's own copy (`_local`), on its first device
         sharding = SingleDeviceSharding(jax.local_devices()[0]) if self.spans_processes else compiled.output_shardings[0]

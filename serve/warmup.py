@@ -21,7 +21,7 @@ def warmup(engine, *, background: bool = False, log=None) -> threading.Thread | 
     shapes = [(rows, 1) for rows in engine.decode_rows]
     shapes += [(rows, tokens) for rows in engine.prefill_rows for tokens in engine.prefill_tokens]
     first = [(engine.decode_rows[0], 1), (engine.prefill_rows[0], engine.prefill_tokens[0])]
-    now = first if background and engine.speculator is None else shapes
+    now = first if background else shapes
     if engine.prefix_cache is not None:
         engine.runner.copy_slot(0, 0)
     for done, (num_rows, num_tokens) in enumerate(now, 1):
@@ -54,11 +54,16 @@ def _compile_ahead(engine, shapes, done: int, total: int, log) -> None:
     """Compiles the steps of `shapes` and their samplers without running them (the engine may be serving)."""
     samplers = {rows for rows, _ in shapes} - {engine.decode_rows[0], engine.prefill_rows[0]}
     for num_rows, num_tokens in shapes:
-        logits = engine.runner.compile(num_rows, num_tokens)
-        if num_rows in samplers:
-            samplers.discard(num_rows)
-            for params in sampling.VARIANTS:
-                engine.sampler([(0, Request("warmup", [0], params, -1))], num_rows).compile(logits)
+        if num_tokens == 1 and engine.speculator is not None:  # its decode steps verify windows
+            speculation.compile_verify(engine, num_rows)
+        else:
+            logits, taps = engine.runner.compile(num_rows, num_tokens)
+            if engine.speculator is not None:
+                engine.speculator.compile(taps)
+            if num_rows in samplers:
+                samplers.discard(num_rows)
+                for params in sampling.VARIANTS:
+                    engine.sampler([(0, Request("warmup", [0], params, -1))], num_rows).compile(logits)
         done += 1
         if log is not None:
             log(done, total)

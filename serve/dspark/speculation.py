@@ -125,11 +125,12 @@ def verify_step(engine, requests) -> list:
         drafts[i, :len(request.drafts)] = request.drafts
         num_drafts[i], slots[i] = len(request.drafts), request.slot
     result = _accept(engine, requests, num_rows, logits, drafts, num_drafts)
-    window_tokens = result.num_accepted + 1  # the last token and the accepted drafts are now in the state
-    inside = _snapshots_inside(engine, requests, records, slots, np.asarray(window_tokens))
+    num_accepted = np.asarray(result.num_accepted)
+    window_tokens = num_accepted + 1  # the last token and the accepted drafts are now in the state
+    inside = _snapshots_inside(engine, requests, records, slots, window_tokens)
     engine.runner.commit(records, slots, window_tokens)
     spec.observe([(r, r.computed, 1 + len(r.drafts)) for r in requests], taps, window_tokens)
-    num_accepted, tokens = np.asarray(result.num_accepted), np.asarray(result.tokens)
+    tokens = np.asarray(result.tokens)
     engine.stats_counters.record(num_drafts[:len(requests)], num_accepted[:len(requests)])
     entries = _logprobs_entries(requests, result, tokens)
     for i, request in enumerate(requests):
@@ -168,7 +169,9 @@ def _snapshots_inside(engine, requests, records, slots, window_tokens) -> list:
     return inside
 
 
-def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts):
+def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts, compile_only: bool = False):
+    """The rejection sampler over the verified windows; with `compile_only`, `logits` describes them
+    (a ShapeDtypeStruct) and the sampler is compiled, not run."""
     ready = list(enumerate(requests))
     batch = rejection.window_batch([r.params for r in requests], num_rows, drafts.shape[1] + 1,
                                    num_generated=[len(r.output) for r in requests],
@@ -180,8 +183,12 @@ def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts):
     batch = batch._replace(banned_bits=sampling.restrict(batch.banned_bits, allowed))
     counts, prompt_mask = penalty_inputs(ready, num_rows, logits.shape[-1])
     wants_logprobs = any(r.params.logprobs is not None for r in requests)
-    return rejection.verify(logits, drafts, _draft_logits(engine, requests, num_rows), num_drafts, batch, counts,
-                            prompt_mask, num_logprobs=sampling.MAX_LOGPROBS if wants_logprobs else None)
+    draft_logits = _draft_logits(engine, requests, num_rows)
+    args = (logits, drafts, draft_logits, num_drafts, batch, counts, prompt_mask)
+    num_logprobs = sampling.MAX_LOGPROBS if wants_logprobs else None
+    if compile_only:
+        return rejection.verify.lower(*args, num_logprobs=num_logprobs).compile()
+    return rejection.verify(*args, num_logprobs=num_logprobs)
 
 
 def _draft_logits(engine, requests, num_rows: int):
@@ -238,5 +245,17 @@ def warm_verify(engine, num_rows: int) -> None:
     drafts, num_drafts = np.zeros((num_rows, k), np.int32), np.zeros(num_rows, np.int32)
     for params in sampling.VARIANTS:
         result = _accept(engine, [Request("warmup", [0], params, -1)], num_rows, logits, drafts, num_drafts)
-    engine.runner.commit(records, np.zeros(num_rows, np.int32), result.num_accepted + 1)
+    engine.runner.commit(records, np.zeros(num_rows, np.int32), np.asarray(result.num_accepted) + 1)
     spec.warmup(num_rows, taps)
+
+
+def compile_verify(engine, num_rows: int) -> None:
+    """`warm_verify` without running anything (serve/warmup.py's background thread, while the engine serves)."""
+    spec = engine.speculator
+    k = spec.num_speculative_tokens
+    logits, taps, records = engine.runner.compile_verify(num_rows, k + 1)
+    drafts, num_drafts = np.zeros((num_rows, k), np.int32), np.zeros(num_rows, np.int32)
+    for params in sampling.VARIANTS:
+        _accept(engine, [Request("warmup", [0], params, -1)], num_rows, logits, drafts, num_drafts, compile_only=True)
+    engine.runner.compile_commit(records, num_rows)
+    spec.compile(taps, num_rows)

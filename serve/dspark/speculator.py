@@ -6,6 +6,8 @@ The engine talks to a speculator through three calls, all over the rows of one s
 - `propose(requests, num_rows)`: the next drafts of each request, continuing its last token (the bonus) at
   position `request.computed`; returns int32 [N, K] and, for probabilistic drafting, the draft
   logits [num_rows, K, V] the rejection test needs (else None).
+- `warmup(num_rows, taps)` runs both on padding rows, `compile(taps, num_rows)` only compiles them
+  (serve/warmup.py);
 - the sizes the engine budgets for: `num_speculative_tokens`, `taps` (target hidden states to
   return), `page_bytes(page_size)` (extra bytes per MLA page).
 """
@@ -50,6 +52,9 @@ class ScriptedSpeculator:
         pass
 
     def warmup(self, num_rows: int, taps) -> None:
+        pass
+
+    def compile(self, taps, num_rows: int | None = None) -> None:
         pass
 
     def observe(self, rows, taps, accepted=None) -> None:
@@ -105,6 +110,9 @@ class DSparkSpeculator:
                                  self.kv_cache_dtype)
         self.pages = make() if self.mesh is None else jax.jit(
             make, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
+        # What `compile` lowers against: the pages' shapes and shardings, never their (donated) buffers.
+        self._page_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                        self.pages)
 
     def observe(self, rows, taps, accepted=None) -> None:
         """rows: (request, position of its first token here, tokens) over the first rows of taps
@@ -121,12 +129,24 @@ class DSparkSpeculator:
             multihost.announce(multihost.OBSERVE, *arrays)
         self._observe(taps, *arrays)
 
-    def _observe(self, taps, counts, offsets, table) -> None:
+    def _observe(self, taps, counts, offsets, table, compile_only: bool = False) -> None:
         counts, offsets, table = (multihost.replicated(a, self.mesh) for a in (counts, offsets, table))
+        args = (self.structure, self.param_leaves, self._page_specs if compile_only else self.pages, taps, counts,
+                offsets, table)
         with self._mesh():
-            self.pages = _inject(self.structure, self.param_leaves, self.pages, taps, counts, offsets, table)
+            if compile_only:
+                _inject.lower(*args).compile()
+            else:
+                self.pages = _inject(*args)
 
     def propose(self, requests, num_rows: int) -> tuple[np.ndarray, object]:
+        arrays = self._propose_arrays(requests, num_rows)
+        if self.spans_processes:
+            multihost.announce(multihost.PROPOSE, *arrays)
+        drafts, draft_logits = self._propose(*arrays)
+        return np.asarray(drafts)[:len(requests)], draft_logits
+
+    def _propose_arrays(self, requests, num_rows: int) -> tuple:
         bonus = np.zeros(num_rows, np.int32)
         positions = np.zeros(num_rows, np.int32)
         for i, request in enumerate(requests):
@@ -135,20 +155,19 @@ class DSparkSpeculator:
                                           num_generated=[len(r.output) for r in requests],
                                           request_ids=[r.arrival for r in requests], engine_seed=self.engine_seed,
                                           vocab_size=self.draft_logits_shape[1])
-        arrays = (bonus, positions, self._table(requests, num_rows), *batch)
-        if self.spans_processes:
-            multihost.announce(multihost.PROPOSE, *arrays)
-        drafts, draft_logits = self._propose(*arrays)
-        return np.asarray(drafts)[:len(requests)], draft_logits
+        return bonus, positions, self._table(requests, num_rows), *batch
 
-    def _propose(self, bonus, positions, table, *batch):
+    def _propose(self, bonus, positions, table, *batch, compile_only: bool = False):
         """(drafts, draft_logits or None), as the leader's own copies."""
         bonus, positions, table, *batch = (multihost.replicated(a, self.mesh)
                                            for a in (bonus, positions, table, *batch))
+        args = (self.structure, self.param_leaves, self._page_specs if compile_only else self.pages, bonus, positions,
+                table, self.head, SamplingBatch(*batch), not self.probabilistic, self.num_speculative_tokens)
         with self._mesh():
-            drafts, draft_logits, self.pages = _propose(
-                self.structure, self.param_leaves, self.pages, bonus, positions, table, self.head, SamplingBatch(*batch),
-                not self.probabilistic, self.num_speculative_tokens)
+            if compile_only:
+                _propose.lower(*args).compile()
+                return None
+            drafts, draft_logits, self.pages = _propose(*args)
         if self.spans_processes:
             drafts = multihost.local_copy(drafts, self.mesh)
             draft_logits = multihost.local_copy(draft_logits, self.mesh) if self.probabilistic else None
@@ -164,6 +183,15 @@ class DSparkSpeculator:
     def warmup(self, num_rows: int, taps) -> None:
         self.observe([], taps)
         self.propose([], num_rows)
+
+    def compile(self, taps, num_rows: int | None = None) -> None:
+        """Compiles `observe` of taps like `taps` (a ShapeDtypeStruct) and, given num_rows, `propose`,
+        without running them: they read the pages' shapes, not their buffers, so steps may run meanwhile."""
+        rows = taps.shape[0]
+        self._observe(taps, np.zeros(rows, np.int32), np.zeros(rows, np.int32), self._table([], rows),
+                      compile_only=True)
+        if num_rows is not None:
+            self._propose(*self._propose_arrays([], num_rows), compile_only=True)
 
     def _table(self, requests, num_rows: int) -> np.ndarray:
         table = np.zeros((num_rows, self.page_table_width), np.int32)

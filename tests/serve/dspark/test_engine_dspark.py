@@ -21,8 +21,8 @@ from k3jax.dspark import model as dd
 from serve.engine import Engine, EngineOptions
 from serve.sampling import SamplingParams
 from tests import agreement
-from tests.serve.test_engine import (assert_pool_full, check_outputs, generate, model, referee,  # noqa: F401
-                                     workload)
+from tests.serve.test_engine import (CountCompiles, assert_pool_full, check_outputs, generate, model,  # noqa: F401
+                                     referee, workload)
 
 K = 4
 MAX_LEN = 96
@@ -144,4 +144,33 @@ def test_sampled_requests_with_greedy_drafts_are_reproducible(model, engine, ref
     assert len({tuple(t) for t in first}) == len(first)
     check_outputs(referee, prompts[:1], [greedy])
     assert engine.stats()["spec_num_draft_tokens"] > before
+    assert_pool_full(engine)
+
+
+@pytest.mark.isa_invariant
+def test_background_warmup_compiles_the_speculative_programs(model, draft_dir, referee):  # noqa: F811
+    """warmup(background=True) with a speculator: the first shapes run, then a thread that runs no step
+    compiles the rest, verify, accept, commit and the draft's calls included; a greedy request served
+    meanwhile keeps the target's tokens, and once the thread is done nothing compiles. (Options unlike
+    the module engine's: none of these shapes is compiled yet.)"""
+    engine = Engine(model, EngineOptions(
+        max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, max_prefill_chunk=8, max_prefill_rows=2,
+        block_size=PAGE_SIZE, num_gpu_blocks=48, enable_prefix_caching=True,
+        speculative_config={"method": "dspark", "model": draft_dir, "num_speculative_tokens": K - 1}))
+    progress = []
+    thread = engine.warmup(background=True, log=lambda done, total: progress.append((done, total)))
+    assert thread is not None and progress == [(1, 4), (2, 4)]  # decode rows 1, 2; prefill rows 1, 2 of 8 tokens
+    prompts = workload(10, 1, lengths=(5, 12))[0]
+    check_outputs(referee, prompts, generate(engine, prompts, [6]))
+    thread.join()
+    assert progress[-1] == (4, 4)
+    with CountCompiles() as compiles:
+        prompts, max_tokens = workload(11, 4, lengths=(1, 30))
+        params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=n, logprobs=2 if i % 3 else None,
+                                 repetition_penalty=1.2 if i == 2 else 1.0) for i, n in enumerate(max_tokens)]
+        for p, sp in zip(prompts, params):
+            engine.add_request(p, sp)
+        while engine.has_unfinished():
+            engine.step()
+    assert compiles.count == 0 and engine.stats()["spec_num_draft_tokens"] > 0
     assert_pool_full(engine)
