@@ -108,7 +108,9 @@ class DSparkSpeculator:
         self.spans_processes = runner.spans_processes  # the leader announces the draft's steps too
         make = functools.partial(init_draft_pages, self.cfg, runner.layout.num_pages, runner.layout.page_size,
                                  self.kv_cache_dtype)
-        self.pages = make() if self.mesh is None else jax.jit(
+        # Committed to their devices, like the runner's pools: the draft's calls return them committed, and a
+        # first call on uncommitted pages would compile apart from every later one.
+        self.pages = jax.device_put(make(), jax.local_devices()[0]) if self.mesh is None else jax.jit(
             make, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
         # What `compile` lowers against: the pages' shapes and shardings, never their (donated) buffers.
         self._page_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
