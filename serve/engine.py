@@ -264,7 +264,8 @@ class Engine:
         shortest chunk) compiles before this returns; the other shapes (with a speculator, its verify,
         commit and draft programs too) compile on a daemon thread, returned, which lowers and compiles
         them without running a step, so the engine may serve meanwhile (a request that needs a shape not
-        compiled yet compiles it in its step). `log(done, total)` reports progress."""
+        compiled yet compiles it in its step); the host KV tier's transfers compile last. `log(done,
+        total)` reports progress."""
         return warmup.warmup(self, background=background, log=log)
 
     def reset_prefix_cache(self) -> None:

@@ -11,10 +11,11 @@ resumes there instead of recomputing. If the pool cannot give the pages, the loo
 hit and the rest is recomputed, as without the tier.
 
 Evictions happen while the scheduler allocates; the freed page or slot is written only by a later
-runner call. So the copies are staged and `transfer` runs before the runner writes the pools: one
-jitted gather brings every staged page and snapshot to the host, then, before a step, one jitted
-scatter writes every restored page and snapshot into its page or slot (a page restored and evicted
-again before that goes back to the host without touching the device). The same two functions move a
+runner call. So the copies are staged and `transfer` runs before the runner writes the pools: jitted
+gathers bring every staged page and snapshot to the host, then, before a step, jitted scatters write
+every restored page and snapshot into its page or slot (a page restored and evicted again before
+that goes back to the host without touching the device). Pages and slots have programs of their
+own, one per power-of-two count, compiled at warm-up (`compile_transfers`). The same programs move a
 prefill's cache between engines (`Runner.read_state` / `write_state`, serve/disagg).
 """
 
@@ -44,30 +45,78 @@ class HostEntry:
 
 
 @jax.jit
-def gather(pools, pages, slots):
-    """Pages [n, MLA layers, page_size, width], and the slots' conv windows and states, every layer."""
-    mla = [pool for pool in pools if isinstance(pool, MLAPages)]
+def gather_pages(pools, pages):
+    """The pages' rows in every MLA layer [n, MLA layers, page_size, width]."""
+    return jnp.stack([pool.pages[pages] for pool in pools if isinstance(pool, MLAPages)], 1)
+
+
+@jax.jit
+def gather_slots(pools, slots):
+    """The slots' conv windows and states, every KDA layer: [n, KDA layers, ...] each."""
     kda = [pool for pool in pools if isinstance(pool, KDACache)]
-    return (jnp.stack([pool.pages[pages] for pool in mla], 1), jnp.stack([pool.conv[slots] for pool in kda], 1),
-            jnp.stack([pool.state[slots] for pool in kda], 1))
+    return jnp.stack([pool.conv[slots] for pool in kda], 1), jnp.stack([pool.state[slots] for pool in kda], 1)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def scatter(pools, pages, rows, slots, conv, state):
-    """Writes `gather`'s layout back: rows[n] into page pages[n], conv[n] and state[n] into slot slots[n]."""
-    out, m, k = [], 0, 0
+def scatter_pages(pools, pages, rows):
+    """Writes `gather_pages`' layout back: rows[n] into page pages[n]."""
+    out, m = [], 0
     for pool in pools:
         if isinstance(pool, MLAPages):
             pool, m = pool._replace(pages=pool.pages.at[pages].set(rows[:, m])), m + 1
-        else:
+        out.append(pool)
+    return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def scatter_slots(pools, slots, conv, state):
+    """Writes `gather_slots`' layout back: conv[n] and state[n] into slot slots[n]."""
+    out, k = [], 0
+    for pool in pools:
+        if isinstance(pool, KDACache):
             pool, k = KDACache(pool.conv.at[slots].set(conv[:, k]), pool.state.at[slots].set(state[:, k])), k + 1
         out.append(pool)
     return tuple(out)
 
 
+def compile_transfers(pool_specs, max_pages: int, max_slots: int) -> None:
+    """Compiles the four programs for every padded count of pages up to max_pages and of slots up to
+    max_slots, without running them (`pool_specs`: the pools' shapes and shardings), so no transfer
+    compiles while serving."""
+    mla = [pool.pages for pool in pool_specs if isinstance(pool, MLAPages)]
+    kda = [pool for pool in pool_specs if isinstance(pool, KDACache)]
+    for n in _counts(max_pages):
+        pages = np.zeros(n, np.int32)
+        gather_pages.lower(pool_specs, pages).compile()
+        rows = jax.ShapeDtypeStruct((n, len(mla), *mla[0].shape[1:]), mla[0].dtype)
+        scatter_pages.lower(pool_specs, pages, rows).compile()
+    for n in _counts(max_slots):
+        slots = np.zeros(n, np.int32)
+        gather_slots.lower(pool_specs, slots).compile()
+        conv, state = (jax.ShapeDtypeStruct((n, len(kda), *a.shape[1:]), a.dtype) for a in (kda[0].conv, kda[0].state))
+        scatter_slots.lower(pool_specs, slots, conv, state).compile()
+
+
+def _pad(stacked: np.ndarray) -> np.ndarray:
+    """Rows padded with zeros to `padded`'s length (the padding writes the null page or slot 0)."""
+    out = np.zeros((padded_length(len(stacked)), *stacked.shape[1:]), stacked.dtype)
+    out[:len(stacked)] = stacked
+    return out
+
+
+def _counts(largest: int) -> list[int]:
+    """The lengths `padded` gives for 1 to `largest` indices."""
+    return [1 << k for k in range(padded_length(largest).bit_length())]
+
+
+def padded_length(count: int) -> int:
+    """A count of indices padded to a power of two (one compile per size)."""
+    return 1 << max(count - 1, 0).bit_length()
+
+
 def padded(indices: list[int]) -> np.ndarray:
-    """int32 indices padded with the null page or slot 0 to a power of two (one compile per size)."""
-    out = np.zeros(1 << max(len(indices) - 1, 0).bit_length(), np.int32)
+    """int32 indices padded with the null page or slot 0 to `padded_length`."""
+    out = np.zeros(padded_length(len(indices)), np.int32)
     out[:len(indices)] = indices
     return out
 
@@ -141,8 +190,9 @@ class KVOffload:
         if self._gather_pages or self._gather_slots:
             pages, slots = self._gather_pages, self._gather_slots
             self._gather_pages, self._gather_slots = [], []
-            rows, conv, state = jax.device_get(gather(pools, padded([p for _, p in pages]),
-                                                      padded([s for _, s in slots])))
+            rows, (conv, state) = jax.device_get((
+                gather_pages(pools, padded([p for _, p in pages])) if pages else None,
+                gather_slots(pools, padded([s for _, s in slots])) if slots else (None, None)))
             for i, (h, _) in enumerate(pages):
                 self._put(h, page=rows[i].copy())  # a copy: the batch's array is not kept alive by one entry
             for i, (h, _) in enumerate(slots):
@@ -151,11 +201,14 @@ class KVOffload:
             self.offloaded_snapshots += len(slots)
         while self.nbytes > self.budget_bytes:  # the least recently offloaded go first
             self.nbytes -= self.entries.popitem(last=False)[1].nbytes
-        if restores and (self._scatter_pages or self._scatter_slots):
-            rows, conv, state = self._stacked(pools)
-            pools = scatter(pools, padded(list(self._scatter_pages)), rows, padded(list(self._scatter_slots)),
-                            conv, state)
-            self._scatter_pages, self._scatter_slots = {}, {}
+        if restores and self._scatter_pages:
+            rows = np.stack([page for _, page in self._scatter_pages.values()])
+            pools = scatter_pages(pools, padded(list(self._scatter_pages)), _pad(rows))
+            self._scatter_pages = {}
+        if restores and self._scatter_slots:
+            conv, state = (np.stack(arrays) for arrays in zip(*self._scatter_slots.values()))
+            pools = scatter_slots(pools, padded(list(self._scatter_slots)), _pad(conv), _pad(state))
+            self._scatter_slots = {}
         return pools
 
     def clear(self) -> None:
@@ -168,20 +221,6 @@ class KVOffload:
         return {"kv_offload_bytes": self.nbytes, "kv_offload_entries": len(self.entries),
                 "kv_offloaded_pages": self.offloaded_pages, "kv_offloaded_snapshots": self.offloaded_snapshots,
                 "kv_restored_pages": self.restored_pages, "kv_restored_snapshots": self.restored_snapshots}
-
-    def _stacked(self, pools):
-        """The staged restores as `scatter`'s arrays, padded like their indices (zeros for the null page and slot)."""
-        mla = next(pool for pool in pools if isinstance(pool, MLAPages))
-        kda = next(pool for pool in pools if isinstance(pool, KDACache))
-        layers = (sum(isinstance(p, MLAPages) for p in pools), sum(isinstance(p, KDACache) for p in pools))
-        rows = np.zeros((len(padded(list(self._scatter_pages))), layers[0], *mla.pages.shape[1:]), mla.pages.dtype)
-        conv = np.zeros((len(padded(list(self._scatter_slots))), layers[1], *kda.conv.shape[1:]), kda.conv.dtype)
-        state = np.zeros((len(conv), layers[1], *kda.state.shape[1:]), kda.state.dtype)
-        for i, (_, page) in enumerate(self._scatter_pages.values()):
-            rows[i] = page
-        for i, (c, s) in enumerate(self._scatter_slots.values()):
-            conv[i], state[i] = c, s
-        return rows, conv, state
 
     def _put(self, h: bytes, *, page=None, snapshot=None) -> None:
         """Stores a page or a snapshot under `h` as the most recent entry (`transfer` trims to the budget,

@@ -33,7 +33,7 @@ from k3jax.model import K3Model
 from k3jax.placement import pool_shardings, put
 from serve import multihost
 from serve.cache import CacheLayout
-from serve.kv_offload import gather, padded, scatter
+from serve.kv_offload import compile_transfers, gather_pages, gather_slots, padded, scatter_pages, scatter_slots
 from sharding.mesh import data_size, rows_sharding
 
 
@@ -235,7 +235,8 @@ class Runner:
         the rows of `pages` in every MLA layer [P, layers, page_size, width] (P: len(pages) padded to a
         power of two with the null page) and the slot's conv windows and states, every KDA layer."""
         with self._mesh():
-            rows, conv, state = gather(self.pools, padded(pages), padded([slot]))
+            rows = gather_pages(self.pools, padded(pages))
+            conv, state = gather_slots(self.pools, padded([slot]))
         return rows, conv[0], state[0]
 
     def write_state(self, pages: list[int], slot: int, handoff) -> None:
@@ -246,7 +247,13 @@ class Runner:
         if self.model.mesh is not None:  # a pulled handoff sits on one device: whole on each of the mesh's
             arrays = [jax.device_put(a, NamedSharding(self.model.mesh, PartitionSpec())) for a in arrays]
         with self._mesh():
-            self.pools = scatter(self.pools, indices, arrays[0], padded([slot]), *arrays[1:])
+            self.pools = scatter_slots(scatter_pages(self.pools, indices, arrays[0]), padded([slot]), *arrays[1:])
+
+    def compile_offload(self) -> None:
+        """Compiles the host tier's transfers (serve/kv_offload.py) for every count of pages and slots
+        they may move, without running them."""
+        with self._mesh():
+            compile_transfers(self._pool_specs, self.layout.num_pages, self.layout.num_slots)
 
     def _transfer(self, restores: bool = True) -> None:
         """The host tier's staged copies: evicted pages and snapshots out before their page or slot is

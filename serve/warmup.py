@@ -33,6 +33,8 @@ def warmup(engine, *, background: bool = False, log=None) -> threading.Thread | 
             log(done, len(shapes))
     rest = [shape for shape in shapes if shape not in now]
     if not rest:
+        if engine.offload is not None:
+            engine.runner.compile_offload()
         return None
     thread = threading.Thread(target=_compile_ahead, args=(engine, rest, len(now), len(shapes), log),
                               name="compile-ahead", daemon=True)
@@ -67,3 +69,5 @@ def _compile_ahead(engine, shapes, done: int, total: int, log) -> None:
         done += 1
         if log is not None:
             log(done, total)
+    if engine.offload is not None:  # last: the host tier moves pages only once the prefix cache evicts
+        engine.runner.compile_offload()

@@ -159,7 +159,7 @@ def test_background_warmup_compiles_every_shape_while_the_engine_serves(model):
     """warmup(background=True) compiles the first request's shapes, then the rest on a thread that
     runs no step: requests served meanwhile get the reference tokens, and once the thread is done
     nothing compiles. (Options unlike the module engine's: none of these shapes is compiled yet.)"""
-    engine = Engine(model, EngineOptions(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=24,
+    engine = Engine(model, EngineOptions(max_model_len=96, max_num_seqs=2, max_num_batched_tokens=24,
                                          max_prefill_chunk=16, max_prefill_rows=2, block_size=8))
     progress = []
     thread = engine.warmup(background=True, log=lambda done, total: progress.append((done, total)))
