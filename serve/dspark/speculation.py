@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from k3jax.loading import embedded_dir
@@ -193,17 +193,33 @@ def _accept(engine, requests, num_rows: int, logits, drafts, num_drafts, compile
 
 def _draft_logits(engine, requests, num_rows: int):
     """The drafts' logits of each row (probabilistic drafting): rows of the array the last `propose`
-    returned, where every request with drafts got them. Rows without drafts read row 0, never used."""
-    if not engine.speculator.probabilistic:
+    returned, where every request with drafts got them. Rows without drafts read row 0, never used (of
+    zeros when no request has drafts). Always `_window_rows` of a committed array, as warm-up compiles it."""
+    spec = engine.speculator
+    if not spec.probabilistic:
         return None
-    picked = [r.draft_logits for r in requests if r.draft_logits is not None]
-    if not picked:
-        return jnp.zeros((num_rows, *engine.speculator.draft_logits_shape), jnp.float32)
+    source = next((r.draft_logits[0] for r in requests if r.draft_logits is not None), spec.no_draft_logits)
     index = np.zeros(num_rows, np.int32)
     for i, request in enumerate(requests):
         if request.draft_logits is not None:
             index[i] = request.draft_logits[1]
-    return picked[0][0][jnp.asarray(index)]
+    return _window_rows(source, index)
+
+
+@jax.jit
+def _window_rows(draft_logits, index):
+    """draft_logits [P, K, V] (a propose call's rows) at `index` [num_rows]: each verified row's own."""
+    return draft_logits[index]
+
+
+def _compile_window_rows(engine, num_rows: int) -> None:
+    """`_window_rows` for num_rows verified rows from every propose bucket (probabilistic drafting)."""
+    spec = engine.speculator
+    if spec.probabilistic:
+        for rows in engine.decode_rows:
+            source = jax.ShapeDtypeStruct((rows, *spec.draft_logits_shape), spec.no_draft_logits.dtype,
+                                          sharding=spec.no_draft_logits.sharding)
+            _window_rows.lower(source, np.zeros(num_rows, np.int32)).compile()
 
 
 def _logprobs_entries(requests, result, tokens) -> list[list]:
@@ -247,6 +263,7 @@ def warm_verify(engine, num_rows: int) -> None:
         result = _accept(engine, [Request("warmup", [0], params, -1)], num_rows, logits, drafts, num_drafts)
     engine.runner.commit(records, np.zeros(num_rows, np.int32), np.asarray(result.num_accepted) + 1)
     spec.warmup(num_rows, taps)
+    _compile_window_rows(engine, num_rows)
 
 
 def compile_verify(engine, num_rows: int) -> None:
@@ -259,3 +276,4 @@ def compile_verify(engine, num_rows: int) -> None:
         _accept(engine, [Request("warmup", [0], params, -1)], num_rows, logits, drafts, num_drafts, compile_only=True)
     engine.runner.compile_commit(records, num_rows)
     spec.compile(taps, num_rows)
+    _compile_window_rows(engine, num_rows)

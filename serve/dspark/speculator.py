@@ -112,6 +112,10 @@ class DSparkSpeculator:
         # first call on uncommitted pages would compile apart from every later one.
         self.pages = jax.device_put(make(), jax.local_devices()[0]) if self.mesh is None else jax.jit(
             make, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
+        # Draft logits of zeros (probabilistic drafting, a verify without drafts), committed like propose's.
+        self.no_draft_logits = jax.device_put(np.zeros((1, *self.draft_logits_shape), np.float32),
+                                              jax.local_devices()[0] if self.mesh is None
+                                              else NamedSharding(self.mesh, PartitionSpec()))
         # What `compile` lowers against: the pages' shapes and shardings, never their (donated) buffers.
         self._page_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.pages)

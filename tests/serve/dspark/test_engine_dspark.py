@@ -149,14 +149,16 @@ def test_sampled_requests_with_greedy_drafts_are_reproducible(model, engine, ref
 
 @pytest.mark.isa_invariant
 def test_background_warmup_compiles_the_speculative_programs(model, draft_dir):  # noqa: F811
-    """warmup(background=True) with a speculator: the first shapes run, then a thread that runs no step
-    compiles the rest, verify, accept, commit and the draft's calls included; once it is done, greedy
-    and sampled requests compile nothing. (Options unlike the module engine's: none of these shapes is
-    compiled yet. test_engine.py's background test covers serving while the thread compiles.)"""
+    """warmup(background=True) with a speculator (probabilistic drafting: the drafts' logits go to the
+    rejection sampler too): the first shapes run, then a thread that runs no step compiles the rest,
+    verify, accept, commit and the draft's calls included; once it is done, greedy and sampled requests
+    compile nothing. (Options unlike the module engine's: none of these shapes is compiled yet.
+    test_engine.py's background test covers serving while the thread compiles.)"""
     engine = Engine(model, EngineOptions(
         max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, max_prefill_chunk=8, max_prefill_rows=2,
         block_size=PAGE_SIZE, num_gpu_blocks=48, enable_prefix_caching=True,
-        speculative_config={"method": "dspark", "model": draft_dir, "num_speculative_tokens": K - 1}))
+        speculative_config={"method": "dspark", "model": draft_dir, "num_speculative_tokens": K - 1,
+                            "draft_sample_method": "probabilistic"}))
     progress = []
     thread = engine.warmup(background=True, log=lambda done, total: progress.append((done, total)))
     assert thread is not None and progress == [(1, 4), (2, 4)]  # decode rows 1, 2; prefill rows 1, 2 of 8 tokens
