@@ -3,7 +3,9 @@ compiles while serving.
 
 A shape is warmed by running it on padding rows (the pools' real entries stay untouched) with a
 request of each sampler variant, or, behind an open port, by lowering and compiling it without
-running a step (`Runner.compile`): those compile on a daemon thread while the engine serves.
+running a step (`Runner.compile`): those compile on a daemon thread while the engine serves. A
+speculator's verify, commit and draft programs compile with the decode shapes, and a host KV tier's
+transfers compile last.
 """
 
 from __future__ import annotations
