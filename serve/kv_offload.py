@@ -97,10 +97,12 @@ def compile_transfers(pool_specs, max_pages: int, max_slots: int) -> None:
         scatter_slots.lower(pool_specs, slots, conv, state).compile()
 
 
-def _pad(stacked: np.ndarray) -> np.ndarray:
-    """Rows padded with zeros to `padded`'s length (the padding writes the null page or slot 0)."""
-    out = np.zeros((padded_length(len(stacked)), *stacked.shape[1:]), stacked.dtype)
-    out[:len(stacked)] = stacked
+def _stacked(arrays: list[np.ndarray]) -> np.ndarray:
+    """Same-shaped arrays stacked and padded with zeros to `padded`'s length, in one copy (the padding
+    writes the null page or slot 0)."""
+    out = np.zeros((padded_length(len(arrays)), *arrays[0].shape), arrays[0].dtype)
+    for i, array in enumerate(arrays):
+        out[i] = array
     return out
 
 
@@ -202,12 +204,12 @@ class KVOffload:
         while self.nbytes > self.budget_bytes:  # the least recently offloaded go first
             self.nbytes -= self.entries.popitem(last=False)[1].nbytes
         if restores and self._scatter_pages:
-            rows = np.stack([page for _, page in self._scatter_pages.values()])
-            pools = scatter_pages(pools, padded(list(self._scatter_pages)), _pad(rows))
+            rows = _stacked([page for _, page in self._scatter_pages.values()])
+            pools = scatter_pages(pools, padded(list(self._scatter_pages)), rows)
             self._scatter_pages = {}
         if restores and self._scatter_slots:
-            conv, state = (np.stack(arrays) for arrays in zip(*self._scatter_slots.values()))
-            pools = scatter_slots(pools, padded(list(self._scatter_slots)), _pad(conv), _pad(state))
+            conv, state = (_stacked(arrays) for arrays in zip(*self._scatter_slots.values()))
+            pools = scatter_slots(pools, padded(list(self._scatter_slots)), conv, state)
             self._scatter_slots = {}
         return pools
 

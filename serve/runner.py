@@ -78,6 +78,12 @@ def _commit(pools, records, slots, accepted, targets):
                  for pool, record in zip(pools, records))
 
 
+def array_specs(tree):
+    """Each array of `tree` as a ShapeDtypeStruct with its sharding: what lowering reads, never the
+    buffers (which a step running meanwhile may donate)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
 def output_spec(compiled, index: int):
     """Output `index` of a compiled program as ShapeDtypeStructs with their shardings (None stays None)."""
     return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
@@ -114,8 +120,7 @@ class Runner:
         self.pools = jax.device_put(make(), jax.local_devices()[0]) if model.mesh is None \
             else jax.jit(make, out_shardings=self._pool_shardings(make))()
         # What `compile` lowers against: the pools' shapes and shardings, never their (donated) buffers.
-        self._pool_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                        self.pools)
+        self._pool_specs = array_specs(self.pools)
         self.num_data = data_size(model.mesh)
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int, *,

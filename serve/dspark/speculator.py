@@ -30,6 +30,7 @@ from k3jax.dspark.model import init_draft_pages, inject_context, propose, shared
 from k3jax.model import Structure
 from serve import multihost
 from serve.dspark.rejection import draft_keys
+from serve.runner import array_specs
 from serve.sampling import SamplingBatch
 
 
@@ -112,13 +113,13 @@ class DSparkSpeculator:
         # first call on uncommitted pages would compile apart from every later one.
         self.pages = jax.device_put(make(), jax.local_devices()[0]) if self.mesh is None else jax.jit(
             make, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
-        # Draft logits of zeros (probabilistic drafting, a verify without drafts), committed like propose's.
-        self.no_draft_logits = jax.device_put(np.zeros((1, *self.draft_logits_shape), np.float32),
-                                              jax.local_devices()[0] if self.mesh is None
-                                              else NamedSharding(self.mesh, PartitionSpec()))
-        # What `compile` lowers against: the pages' shapes and shardings, never their (donated) buffers.
-        self._page_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                        self.pages)
+        # Draft logits of zeros (probabilistic drafting, a verify without drafts), committed where propose's
+        # land: on the mesh, or across processes on the leader's first device (its own copy, `_propose`).
+        self.no_draft_logits = jax.device_put(
+            np.zeros((1, *self.draft_logits_shape), np.float32),
+            NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None and not self.spans_processes
+            else jax.local_devices()[0])
+        self._page_specs = array_specs(self.pages)  # what `compile` lowers against
 
     def observe(self, rows, taps, accepted=None) -> None:
         """rows: (request, position of its first token here, tokens) over the first rows of taps
