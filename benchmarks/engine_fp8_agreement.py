@@ -84,9 +84,8 @@ def greedy_picks(runner: Runner, prompt: list[int], steps: int, feed: list[int] 
 def stored_rows(runner: Runner) -> np.ndarray:
     """The rows the sequence wrote in every MLA layer, as stored (before the scale), float32 [rows, width]."""
     written = len(PROMPT) + STEPS - 1  # in pages 1, 2, ... in order
-    pools = [c.pages for seg in runner.pools for c in seg if isinstance(c, MLAPages)]  # [layers, pages, rows, C]
-    return np.concatenate([np.asarray(p[:, 1:].astype(jnp.float32)).reshape(p.shape[0], -1, p.shape[-1])[:, :written]
-                           .reshape(-1, p.shape[-1]) for p in pools])
+    pools = [c.pages for c in runner.pools if isinstance(c, MLAPages)]  # one per MLA layer: [pages, rows, C]
+    return np.concatenate([np.asarray(p[1:].astype(jnp.float32)).reshape(-1, p.shape[-1])[:written] for p in pools])
 
 
 def measure(seed: int) -> dict:
