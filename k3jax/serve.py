@@ -229,7 +229,8 @@ def _serve(engine: Engine, args, path: str, options: EngineOptions, log) -> int:
         async_engine = AsyncEngine(engine, **limits)
     log.info("compiling the engine's step shapes (%s)", dataclasses.asdict(options))
     # What a first request needs compiles now; the other shapes compile behind the open port.
-    engine.warmup(background=True, log=lambda done, total: log.info("compiled %d of %d step shapes", done, total))
+    engine.warmup(background=True, transfers=args.role is not None,
+                  log=lambda done, total: log.info("compiled %d of %d step shapes", done, total))
 
     config = ServerConfig(model_name=args.served_model_name or args.model or DEFAULT_MODEL, model_path=path,
                           api_key=args.api_key, max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,

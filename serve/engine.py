@@ -256,7 +256,7 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def warmup(self, *, background: bool = False, log=None) -> threading.Thread | None:
+    def warmup(self, *, background: bool = False, transfers: bool = False, log=None) -> threading.Thread | None:
         """Compiles every step shape the engine can run (padding rows only: the pools' real entries stay
         untouched), so nothing compiles while serving.
 
@@ -264,9 +264,10 @@ class Engine:
         shortest chunk) compiles before this returns; the other shapes (with a speculator, its verify,
         commit and draft programs too) compile on a daemon thread, returned, which lowers and compiles
         them without running a step, so the engine may serve meanwhile (a request that needs a shape not
-        compiled yet compiles it in its step); the host KV tier's transfers compile last. `log(done,
-        total)` reports progress."""
-        return warmup.warmup(self, background=background, log=log)
+        compiled yet compiles it in its step). The pools' gathers and scatters compile last, for the
+        host KV tier or with `transfers` (an engine that reads or writes PD handoffs, serve/disagg).
+        `log(done, total)` reports progress."""
+        return warmup.warmup(self, background=background, transfers=transfers, log=log)
 
     def reset_prefix_cache(self) -> None:
         """Drops every cached page and snapshot no running request uses, sessions' pins included."""

@@ -79,21 +79,23 @@ def scatter_slots(pools, slots, conv, state):
     return tuple(out)
 
 
-def compile_transfers(pool_specs, max_pages: int, max_slots: int) -> None:
+def compile_transfers(pool_specs, max_pages: int, max_slots: int, sharding) -> None:
     """Compiles the four programs for every padded count of pages up to max_pages and of slots up to
-    max_slots, without running them (`pool_specs`: the pools' shapes and shardings), so no transfer
-    compiles while serving."""
+    max_slots, without running them (`pool_specs`: the pools' shapes and shardings; `sharding`: where
+    the scatters' rows, conv windows and states are placed, whole on each of the pools' devices), so
+    no transfer compiles while serving."""
     mla = [pool.pages for pool in pool_specs if isinstance(pool, MLAPages)]
     kda = [pool for pool in pool_specs if isinstance(pool, KDACache)]
     for n in _counts(max_pages):
         pages = np.zeros(n, np.int32)
         gather_pages.lower(pool_specs, pages).compile()
-        rows = jax.ShapeDtypeStruct((n, len(mla), *mla[0].shape[1:]), mla[0].dtype)
+        rows = jax.ShapeDtypeStruct((n, len(mla), *mla[0].shape[1:]), mla[0].dtype, sharding=sharding)
         scatter_pages.lower(pool_specs, pages, rows).compile()
     for n in _counts(max_slots):
         slots = np.zeros(n, np.int32)
         gather_slots.lower(pool_specs, slots).compile()
-        conv, state = (jax.ShapeDtypeStruct((n, len(kda), *a.shape[1:]), a.dtype) for a in (kda[0].conv, kda[0].state))
+        conv, state = (jax.ShapeDtypeStruct((n, len(kda), *a.shape[1:]), a.dtype, sharding=sharding)
+                       for a in (kda[0].conv, kda[0].state))
         scatter_slots.lower(pool_specs, slots, conv, state).compile()
 
 
@@ -186,9 +188,9 @@ class KVOffload:
         not get it."""
         self._scatter_slots.pop(slot, None)
 
-    def transfer(self, pools, restores: bool = True):
+    def transfer(self, pools, sharding, restores: bool = True):
         """Copies the staged evictions to the host, then (with `restores`) the staged restores into the
-        pools; returns them."""
+        pools, placed by `sharding` (`compile_transfers`'); returns the pools."""
         if self._gather_pages or self._gather_slots:
             pages, slots = self._gather_pages, self._gather_slots
             self._gather_pages, self._gather_slots = [], []
@@ -204,11 +206,11 @@ class KVOffload:
         while self.nbytes > self.budget_bytes:  # the least recently offloaded go first
             self.nbytes -= self.entries.popitem(last=False)[1].nbytes
         if restores and self._scatter_pages:
-            rows = _stacked([page for _, page in self._scatter_pages.values()])
+            rows = jax.device_put(_stacked([page for _, page in self._scatter_pages.values()]), sharding)
             pools = scatter_pages(pools, padded(list(self._scatter_pages)), rows)
             self._scatter_pages = {}
         if restores and self._scatter_slots:
-            conv, state = (_stacked(arrays) for arrays in zip(*self._scatter_slots.values()))
+            conv, state = jax.device_put([_stacked(arrays) for arrays in zip(*self._scatter_slots.values())], sharding)
             pools = scatter_slots(pools, padded(list(self._scatter_slots)), conv, state)
             self._scatter_slots = {}
         return pools

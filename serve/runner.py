@@ -121,6 +121,9 @@ class Runner:
             else jax.jit(make, out_shardings=self._pool_shardings(make))()
         # What `compile` lowers against: the pools' shapes and shardings, never their (donated) buffers.
         self._pool_specs = array_specs(self.pools)
+        # Where arrays written into the pools (host-tier restores, a PD handoff) go first: whole on each device.
+        self._whole = SingleDeviceSharding(jax.local_devices()[0]) if model.mesh is None \
+            else NamedSharding(model.mesh, PartitionSpec())
         self.num_data = data_size(model.mesh)
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int, *,
@@ -238,34 +241,33 @@ class Runner:
     def read_state(self, pages: list[int], slot: int):
         """A request's cache, on the device (a prefill server hands it to a decode engine: serve/disagg):
         the rows of `pages` in every MLA layer [P, layers, page_size, width] (P: len(pages) padded to a
-        power of two with the null page) and the slot's conv windows and states, every KDA layer."""
+        power of two with the null page) and the slot's conv windows and states, every KDA layer [1, layers, ...]:
+        the host tier's gathers (compile_transfers), and no other op, which would compile on a first handoff."""
         with self._mesh():
-            rows = gather_pages(self.pools, padded(pages))
-            conv, state = gather_slots(self.pools, padded([slot]))
-        return rows, conv[0], state[0]
+            return gather_pages(self.pools, padded(pages)), *gather_slots(self.pools, padded([slot]))
 
     def write_state(self, pages: list[int], slot: int, handoff) -> None:
         """Writes a serve.disagg.handoff.Handoff (`read_state`'s arrays) into a request's first pages and its slot."""
         self._transfer(restores=False)  # an evicted page or snapshot this overwrites goes to the host first
         indices = padded(pages[:handoff.num_pages(self.layout.page_size)])
-        arrays = (handoff.page_rows(len(indices)), handoff.conv[None], handoff.state[None])
-        if self.model.mesh is not None:  # a pulled handoff sits on one device: whole on each of the mesh's
-            arrays = [jax.device_put(a, NamedSharding(self.model.mesh, PartitionSpec())) for a in arrays]
+        # on the host (the socket's) or on one device (pulled): placed as compile_transfers' programs take them
+        arrays = jax.device_put([handoff.page_rows(len(indices)), handoff.conv, handoff.state], self._whole)
         with self._mesh():
             self.pools = scatter_slots(scatter_pages(self.pools, indices, arrays[0]), padded([slot]), *arrays[1:])
 
-    def compile_offload(self) -> None:
-        """Compiles the host tier's transfers (serve/kv_offload.py) for every count of pages and slots
-        they may move, without running them."""
+    def compile_transfers(self) -> None:
+        """Compiles the pools' gathers and scatters (the host tier's copies, serve/kv_offload.py; a PD
+        handoff's read_state and write_state) for every count of pages and slots they may move, without
+        running them."""
         with self._mesh():
-            compile_transfers(self._pool_specs, self.layout.num_pages, self.layout.num_slots)
+            compile_transfers(self._pool_specs, self.layout.num_pages, self.layout.num_slots, self._whole)
 
     def _transfer(self, restores: bool = True) -> None:
         """The host tier's staged copies: evicted pages and snapshots out before their page or slot is
         written again, restored ones in before a step reads them."""
         if self.offload is not None and self.offload.pending:
             with self._mesh():
-                self.pools = self.offload.transfer(self.pools, restores)
+                self.pools = self.offload.transfer(self.pools, self._whole, restores)
 
     def follow(self, speculator=None) -> None:
         """A follower process of a multi-host server (serve.multihost): runs every step the leader

@@ -4,8 +4,8 @@ compiles while serving.
 A shape is warmed by running it on padding rows (the pools' real entries stay untouched) with a
 request of each sampler variant, or, behind an open port, by lowering and compiling it without
 running a step (`Runner.compile`): those compile on a daemon thread while the engine serves. A
-speculator's verify, commit and draft programs compile with the decode shapes, and a host KV tier's
-transfers compile last.
+speculator's verify, commit and draft programs compile with the decode shapes; the pools' gathers and
+scatters (a host KV tier's transfers, a PD handoff's read and write) compile last.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from serve.scheduler import Request
 from serve.step_sampler import picked
 
 
-def warmup(engine, *, background: bool = False, log=None) -> threading.Thread | None:
+def warmup(engine, *, background: bool = False, transfers: bool = False, log=None) -> threading.Thread | None:
     """`Engine.warmup`."""
+    transfers = transfers or engine.offload is not None
     shapes = [(rows, 1) for rows in engine.decode_rows]
     shapes += [(rows, tokens) for rows in engine.prefill_rows for tokens in engine.prefill_tokens]
     first = [(engine.decode_rows[0], 1), (engine.prefill_rows[0], engine.prefill_tokens[0])]
@@ -35,10 +36,10 @@ def warmup(engine, *, background: bool = False, log=None) -> threading.Thread | 
             log(done, len(shapes))
     rest = [shape for shape in shapes if shape not in now]
     if not rest:
-        if engine.offload is not None:
-            engine.runner.compile_offload()
+        if transfers:
+            engine.runner.compile_transfers()
         return None
-    thread = threading.Thread(target=_compile_ahead, args=(engine, rest, len(now), len(shapes), log),
+    thread = threading.Thread(target=_compile_ahead, args=(engine, rest, len(now), len(shapes), transfers, log),
                               name="compile-ahead", daemon=True)
     thread.start()
     return thread
@@ -54,7 +55,7 @@ def _run(engine, num_rows: int, num_tokens: int) -> None:
         picked(engine.sampler(ready, num_rows)(logits), ready)
 
 
-def _compile_ahead(engine, shapes, done: int, total: int, log) -> None:
+def _compile_ahead(engine, shapes, done: int, total: int, transfers: bool, log) -> None:
     """Compiles the steps of `shapes` and their samplers without running them (the engine may be serving)."""
     samplers = {rows for rows, _ in shapes} - {engine.decode_rows[0], engine.prefill_rows[0]}
     for num_rows, num_tokens in shapes:
@@ -71,5 +72,5 @@ def _compile_ahead(engine, shapes, done: int, total: int, log) -> None:
         done += 1
         if log is not None:
             log(done, total)
-    if engine.offload is not None:  # last: the host tier moves pages only once the prefix cache evicts
-        engine.runner.compile_offload()
+    if transfers:  # last: the host tier copies only once the prefix cache evicts (an earlier handoff compiles its own)
+        engine.runner.compile_transfers()

@@ -26,7 +26,7 @@ from k3jax.layers.kda import KDACache
 from k3jax.layers.mla import MLAPages
 from serve.sampling import SamplingParams
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: conv and state keep gather_slots' slot axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,8 @@ class Handoff:
 
     num_tokens: int
     pages: object  # [P, MLA layers, page_size, width] in the page dtype; P >= the pages of num_tokens
-    conv: object  # [KDA layers, conv_size - 1, 3, P] in the activation dtype
-    state: object  # [KDA layers, heads, K, V] float32
+    conv: object  # [1, KDA layers, conv_size - 1, 3, P] in the activation dtype (one slot, gather_slots' layout)
+    state: object  # [1, KDA layers, heads, K, V] float32
 
     @property
     def arrays(self) -> tuple:
@@ -78,8 +78,8 @@ def pool_specs(pools) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     mla = [pool for pool in pools if isinstance(pool, MLAPages)]
     kda = [pool for pool in pools if isinstance(pool, KDACache)]
     return {"pages": ((len(mla), *mla[0].pages.shape[1:]), np.dtype(mla[0].pages.dtype)),
-            "conv": ((len(kda), *kda[0].conv.shape[1:]), np.dtype(kda[0].conv.dtype)),
-            "state": ((len(kda), *kda[0].state.shape[1:]), np.dtype(kda[0].state.dtype))}
+            "conv": ((1, len(kda), *kda[0].conv.shape[1:]), np.dtype(kda[0].conv.dtype)),
+            "state": ((1, len(kda), *kda[0].state.shape[1:]), np.dtype(kda[0].state.dtype))}
 
 
 def check_handoff(handoff: Handoff, ids: list[int], specs: dict, page_size: int) -> None:

@@ -214,7 +214,7 @@ def test_bad_input_is_a_clear_error_and_the_prefill_server_goes_on(prefill_addre
 
     prefilled = asyncio.run(client.prefill(PROMPTS[1]))  # the decode engine refuses what does not fit its pools
     state = prefilled.handoff.state
-    with pytest.raises(ValueError, match=r"prompt: the prefilled state are \(\d+, \d+, 8, 16\) float32"):
+    with pytest.raises(ValueError, match=r"prompt: the prefilled state are \(1, \d+, \d+, 8, 16\) float32"):
         decode.add_request(Prefilled(PROMPTS[1], dataclasses.replace(prefilled.handoff, state=state[..., :8, :])))
     with pytest.raises(ValueError, match="holds 8 tokens; a prompt of 10 needs 9"):
         decode.add_request(Prefilled(PROMPTS[1] + [1], prefilled.handoff))
@@ -255,26 +255,33 @@ def test_role_flags_are_checked_before_anything_loads(argv, message, capsys):
 
 
 def test_a_handoff_on_one_device_is_written_into_a_meshs_pools(model):
-    """A pulled handoff is committed to one device; a decode engine on a mesh (1x2 here, fake CPU
-    devices) places it on the mesh's devices, and reads back what it wrote (gather and scatter only
-    compile)."""
+    """A pulled handoff is committed to one device, a socket's is on the host; a decode engine on a
+    mesh (1x2 here, fake CPU devices) places either on the mesh's devices, and reads back what it
+    wrote. Both run the gather and scatter programs compile_transfers made (what warm-up compiles
+    for a PD role): nothing compiles."""
     import jax
 
     from k3jax.model import K3Model
     from sharding.mesh import make_mesh
+    from tests.serve.test_engine import CountCompiles
 
     sharded = K3Model(model.config, model.graphdef, model.params, make_mesh("1x2"))
     engine = Engine(sharded, EngineOptions(**OPTIONS))
+    engine.runner.compile_transfers()
     rng = np.random.default_rng(0)
     specs = pool_specs(engine.runner.pools)
     shapes = {"pages": (4, *specs["pages"][0]), "conv": specs["conv"][0], "state": specs["state"][0]}
-    written = Handoff(9, **{name: jax.device_put(rng.normal(size=shape).astype(specs[name][1]), jax.local_devices()[0])
-                            for name, shape in shapes.items()})
-    engine.runner.write_state([3, 5, 7], 1, written)
-    read = Handoff(9, *engine.runner.read_state([3, 5, 7], 1))
-    np.testing.assert_array_equal(np.asarray(read.pages)[:3], np.asarray(written.pages)[:3])
-    for part in ("conv", "state"):
-        np.testing.assert_array_equal(np.asarray(getattr(read, part)), np.asarray(getattr(written, part)))
+    for on_device in (True, False):
+        arrays = {name: rng.normal(size=shape).astype(specs[name][1]) for name, shape in shapes.items()}
+        written = Handoff(9, **{name: jax.device_put(a, jax.local_devices()[0]) if on_device else a
+                                for name, a in arrays.items()})
+        with CountCompiles() as compiles:
+            engine.runner.write_state([3, 5, 7], 1, written)
+            read = Handoff(9, *engine.runner.read_state([3, 5, 7], 1))
+        assert compiles.count == 0, on_device
+        np.testing.assert_array_equal(np.asarray(read.pages)[:3], arrays["pages"][:3])
+        for part in ("conv", "state"):
+            np.testing.assert_array_equal(np.asarray(getattr(read, part)), arrays[part])
 
 
 def test_a_handoff_object_round_trips_the_page_padding():
