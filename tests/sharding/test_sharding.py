@@ -98,8 +98,9 @@ def test_sharded_logits_and_greedy_decode_match_one_device(referee, mesh):
                              what=f"{mesh} decode")
 
 
-def test_bf16_teacher_forced_logits_agree_across_meshes():
-    """bf16 on a mesh against bf16 on one device, fed the same tokens (the one device's greedy ones).
+def test_bf16_teacher_forced_logits_agree_on_a_mesh():
+    """bf16 on the 8x2 mesh against bf16 on one device, fed the same tokens (the one device's greedy
+    ones). One mesh: the fp32 test above checks each mesh's sharding; this one, bf16's paths on it.
 
     Greedy runs are not compared (issue 19): bf16 rounds at 2^-9 and ten random layers amplify rounding
     ~2^10 at a single logit (fp32 paths differ by up to 1e-4 of the largest), so bf16 paths part at
@@ -112,9 +113,8 @@ def test_bf16_teacher_forced_logits_agree_across_meshes():
     prompt = np.random.default_rng(0).integers(0, 512, (8, 6), dtype=np.int32)
     tokens, want = greedy(K3Model.random(cfg, dtype="bfloat16", seed=0), prompt)
     assert want.dtype == np.float32 and len(np.unique(tokens)) > 32
-    for mesh in ("8x2", "2x8", "4x4"):
-        _, got = greedy(K3Model.random(cfg, dtype="bfloat16", seed=0, mesh=mesh), prompt, feed=tokens)
-        assert np.linalg.norm(got - want) <= 2.0 ** -1 * np.linalg.norm(want), mesh
+    _, got = greedy(K3Model.random(cfg, dtype="bfloat16", seed=0, mesh="8x2"), prompt, feed=tokens)
+    assert np.linalg.norm(got - want) <= 2.0 ** -1 * np.linalg.norm(want)
 
 
 def _experts(cfg, seed):
