@@ -43,6 +43,7 @@ class Batch(NamedTuple):
     page_table: jax.Array | None = None  # [B, max_pages] int32: MLA pages of each row (0: the null page)
     record: bool = False  # a speculative verify: KDA layers record their window instead of writing slots
     sequence_parallel: bool = False  # a fresh prefill with the tokens split over `data` (prefill_sequence_parallel)
+    groups: int = 1  # DP attention: rows and pools in this many equal blocks, ids local to the block (PagedState)
 
 
 class DecodeState(NamedTuple):
@@ -60,6 +61,9 @@ class PagedState(NamedTuple):
     offsets: jax.Array  # [B] int32: tokens of each row already in the cache
     slots: jax.Array  # [B] int32
     page_table: jax.Array  # [B, max_pages] int32
+    # DP attention (serve/runner.py): rows and pool entries split into this many equal blocks, row
+    # block g using only pool block g, its slots and pages numbered within the block. A Python int.
+    groups: int = 1
 
 
 
@@ -219,7 +223,7 @@ class K3Transformer(nnx.Module):
         pages. `last_only`: logits of each row's last real token only, [B, V] (what a step samples from).
         `embeds`: (values [B, T, H], mask [B, T] bool) or None: where the mask is set, the input
         embedding is the value instead of the token's (an image's encoder outputs at its pad positions)."""
-        batch = _batch(tokens, lengths, state.offsets, state.slots, state.page_table)
+        batch = _batch(tokens, lengths, state.offsets, state.slots, state.page_table, groups=state.groups)
         h, caches, tapped = self._layers(tokens, batch, state.layers, taps, embeds)
         return StepOut(self._head(h, batch.lengths if last_only else None), state._replace(layers=caches), tapped)
 
@@ -228,7 +232,8 @@ class K3Transformer(nnx.Module):
         drafts) is written to its MLA pages like a step's, but the KDA layers leave their slots as they
         are and record the window instead (`KimiDeltaAttention`), since how much of it stays is known
         only after rejection sampling."""
-        batch = _batch(tokens, lengths, state.offsets, state.slots, state.page_table, record=True)
+        batch = _batch(tokens, lengths, state.offsets, state.slots, state.page_table, record=True,
+                       groups=state.groups)
         h, caches, tapped = self._layers(tokens, batch, state.layers, taps)
         records = tuple(c.record if isinstance(c, Recorded) else None for c in caches)
         pools = tuple(c.pool if isinstance(c, Recorded) else c for c in caches)
@@ -277,14 +282,14 @@ class K3Transformer(nnx.Module):
 
 
 def _batch(tokens, lengths, offsets=None, slots=None, page_table=None, *, record: bool = False,
-           sequence_parallel: bool = False) -> Batch:
+           sequence_parallel: bool = False, groups: int = 1) -> Batch:
     """The `Batch` of tokens [B, T] with `lengths` [B] real tokens each (None: all T) after `offsets`
     cached ones (None: none)."""
     b, t = tokens.shape
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     valid = jnp.arange(t)[None, :] < lengths[:, None]
     offsets = jnp.zeros((b,), jnp.int32) if offsets is None else offsets
-    return Batch(valid, lengths, offsets, slots, page_table, record, sequence_parallel)
+    return Batch(valid, lengths, offsets, slots, page_table, record, sequence_parallel, groups)
 
 
 def init_cache(cfg: K3Config, batch: int, max_len: int, dtype) -> DecodeState:

@@ -23,7 +23,7 @@ CACHE_AXES = {  # per-sequence caches (`DecodeState`): sequences split over `dat
                        state=("batch", "cache_heads", "head_dim", "head_dim")),
     MLACache: MLACache(latent=("batch", "sequence", "cache_width")),
 }
-POOL_AXES = {  # the serving engine's pools: any row may use any slot or page, so every data group holds them all
+POOL_AXES = {  # the serving engine's pools: each data group holds its own block of slots and pages (serve/runner.py)
     KDACache: KDACache(conv=("slots", "conv_tap", "qkv", "cache_channels"),
                        state=("slots", "cache_heads", "head_dim", "head_dim")),
     MLAPages: MLAPages(pages=("pages", "page_rows", "cache_width"), scale=()),

@@ -3,7 +3,9 @@
     python -m k3jax.plan --preset kimi-k3 --mesh 8x2 [--device-gib 141]
 
 Prints weights per device, MLA cache per 1K tokens and KDA state per sequence per device, and how
-many concurrent 8K / 128K / 1M-token sequences fit after the weights. Nothing is allocated: shapes
+many concurrent 8K / 128K / 1M-token sequences fit after the weights: with DP attention, as the engine
+runs (each data group holds only its own requests' caches, serve/runner.py), and without (every group
+holding every request's, as a mesh's data groups would with the pools replicated). Nothing is allocated: shapes
 come from `nnx.eval_shape`, shardings from `sharding.axes`, on an abstract mesh of the right size.
 """
 
@@ -58,10 +60,11 @@ def plan(cfg: K3Config, mesh_spec: str, *, dtype: str = "bfloat16", device_bytes
     fits = {}
     for name, tokens in (("8K", 8192), ("128K", 131072), ("1M", 1048576)):
         per_sequence = kda_state + mla_per_1k * tokens / 1024
-        fits[name] = max(0, int(free // per_sequence)) * sizes[DATA]
+        fits[f"concurrent_{name}"] = max(0, int(free // per_sequence)) * sizes[DATA]
+        fits[f"concurrent_{name}_without_dp_attention"] = max(0, int(free // per_sequence))
     return {"mesh": mesh_spec, "devices": sizes[DATA] * sizes[MODEL], "weights_GiB": weights / GIB,
             "mla_cache_MiB_per_1k_tokens": mla_per_1k / 2**20, "kda_state_MiB_per_sequence": kda_state / 2**20,
-            "free_GiB": free / GIB, **{f"concurrent_{k}": v for k, v in fits.items()}}
+            "free_GiB": free / GIB, **fits}
 
 
 def main(argv=None) -> None:

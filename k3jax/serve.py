@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_prefill_rows,
                         help="prompts prefilled in one step")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per MLA page")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, help="one budget for MLA pages and KDA slots")
-    parser.add_argument("--num-gpu-blocks-override", type=int, help="exactly this many MLA pages")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, help="one budget for MLA pages and KDA slots (per data group on a mesh)")
+    parser.add_argument("--num-gpu-blocks-override", type=int, help="exactly this many MLA pages (per data group on a mesh)")
     parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=sorted(KV_CACHE_DTYPES))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching)

@@ -5,6 +5,11 @@ latent rows and, per KDA layer, `num_slots` fp32 recurrent states with their con
 slot 0 are the null page and slot that padding rows point at, so they are never handed out. One
 memory budget is split between the two: every running request needs one slot, and pages as its
 context grows.
+
+DP attention: on a mesh with data > 1 the pools split into `groups` equal blocks, one per data group
+(serve/runner.py). A request's slot and pages all lie in one group's block, and each block's first
+page and slot are that group's null page and slot. Ids stay global here; the runner makes them local
+to the group for the step.
 """
 
 from __future__ import annotations
@@ -12,18 +17,27 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 
 from k3jax.config import KDA, MLA, K3Config
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Sizes of the pools: `num_slots` and `num_pages` include the null slot and page."""
+    """Sizes of the pools: `num_slots` and `num_pages` include the null slot and page of each of the
+    `groups` data groups (DP attention), which hold equal shares."""
 
     page_size: int
     num_pages: int
     num_slots: int
+    groups: int = 1
+
+    @property
+    def pages_per_group(self) -> int:
+        return self.num_pages // self.groups
+
+    @property
+    def slots_per_group(self) -> int:
+        return self.num_slots // self.groups
 
     @staticmethod
     def from_budget(cfg: K3Config, *, memory_bytes: int, max_num_seqs: int, page_size: int,
@@ -39,14 +53,19 @@ class CacheLayout:
         return CacheLayout(page_size, int(pages), slots)
 
 
-def engine_layout(cfg: K3Config, options, dtype_bytes: int, kv_bytes: int, draft_page_bytes: int) -> CacheLayout:
+def engine_layout(cfg: K3Config, options, dtype_bytes: int, kv_bytes: int, draft_page_bytes: int,
+                  groups: int = 1) -> CacheLayout:
     """The pools of an engine with `options` (serve.engine.EngineOptions): a slot per request and per
     prefix-cache snapshot, and the pages `num_gpu_blocks`, `kv_cache_memory_bytes` or, by default, a
-    full-length request per slot make."""
+    full-length request per slot make. With `groups` data groups (DP attention) each group gets its
+    share of max_num_seqs and of the snapshots, rounded up, and the pages that share makes; the page
+    count and the memory budget are per group, as they are per device in vLLM."""
+    seqs = -(-options.max_num_seqs // groups)
     snapshots = 0
     if options.enable_prefix_caching:
         snapshots = options.max_num_seqs if options.num_snapshot_slots is None else options.num_snapshot_slots
-    slots = options.max_num_seqs + snapshots + 1
+        snapshots = -(-snapshots // groups)
+    slots = seqs + snapshots + 1
     min_pages = -(-options.max_model_len // options.block_size) + 1  # one full-length request, and the null page
     if options.num_gpu_blocks is not None:
         pages = options.num_gpu_blocks
@@ -56,13 +75,13 @@ def engine_layout(cfg: K3Config, options, dtype_bytes: int, kv_bytes: int, draft
                                         dtype_bytes=dtype_bytes, kv_cache_dtype_bytes=kv_bytes,
                                         draft_page_bytes=draft_page_bytes).num_pages
     else:  # every slot can hold a full-length request
-        pages = options.max_num_seqs * (min_pages - 1) + 1
+        pages = seqs * (min_pages - 1) + 1
     if pages < min_pages:
         raise ValueError(f"{pages} pages of {options.block_size} tokens "
                          f"({pages * (page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes)} bytes) "
                          "cannot hold one "
                          f"request of max_model_len={options.max_model_len}; raise the cache budget")
-    return CacheLayout(options.block_size, pages, slots)
+    return CacheLayout(options.block_size, pages * groups, slots * groups, groups)
 
 
 def page_bytes(cfg: K3Config, page_size: int, kv_cache_dtype_bytes: int) -> int:
@@ -78,67 +97,83 @@ def slot_bytes(cfg: K3Config, dtype_bytes: int) -> int:
 
 
 class CacheAllocator:
-    """Free lists of pages and slots. Allocation is all-or-nothing. With a prefix cache, pages it
-    holds are released to it rather than freed, and its unused entries are evicted (least recently
-    used first) when the free lists run dry."""
+    """Free lists of pages and slots, one pair per data group. Allocation is all-or-nothing. With a
+    prefix cache, pages it holds are released to it rather than freed, and its unused entries of the
+    group are evicted (least recently used first) when the group's free lists run dry."""
 
     def __init__(self, layout: CacheLayout, prefix_cache=None, offload=None):
         """offload: the prefix cache's host tier (serve/kv_offload.py), which keeps what it evicts."""
         self.layout = layout
         self.prefix_cache = prefix_cache
         self.offload = offload
-        self._free_pages = list(range(layout.num_pages - 1, 0, -1))  # pop() hands out low ids first
-        self._free_slots = list(range(layout.num_slots - 1, 0, -1))
+        pages, slots = layout.pages_per_group, layout.slots_per_group
+        # each group's block without its null entry; pop() hands out low ids first
+        self._free_pages = [list(range((g + 1) * pages - 1, g * pages, -1)) for g in range(layout.groups)]
+        self._free_slots = [list(range((g + 1) * slots - 1, g * slots, -1)) for g in range(layout.groups)]
 
     @property
     def free_pages(self) -> int:
-        return len(self._free_pages)
+        return sum(map(len, self._free_pages))
 
     @property
     def free_slots(self) -> int:
-        return len(self._free_slots)
+        return sum(map(len, self._free_slots))
+
+    def free_pages_in(self, group: int) -> int:
+        return len(self._free_pages[group])
+
+    def free_slots_in(self, group: int) -> int:
+        return len(self._free_slots[group])
+
+    def group_of_page(self, page: int) -> int:
+        return page // self.layout.pages_per_group
+
+    def group_of_slot(self, slot: int) -> int:
+        return slot // self.layout.slots_per_group
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.layout.page_size)
 
-    def allocate_slot(self) -> int | None:
-        if not self._free_slots and self.prefix_cache is not None:
-            evicted = self.prefix_cache.evict_snapshot()
+    def allocate_slot(self, group: int = 0) -> int | None:
+        free = self._free_slots[group]
+        if not free and self.prefix_cache is not None:
+            evicted = self.prefix_cache.evict_snapshot(lambda slot: self.group_of_slot(slot) == group)
             if evicted is not None:
                 if self.offload is not None:
                     self.offload.stage(evicted[0], None, evicted[1])
                 return evicted[1]
-        return self._free_slots.pop() if self._free_slots else None
+        return free.pop() if free else None
 
-    def allocate_pages(self, count: int) -> list[int] | None:
-        while count > len(self._free_pages) and self.prefix_cache is not None:
-            evicted = self.prefix_cache.evict()
+    def allocate_pages(self, count: int, group: int = 0) -> list[int] | None:
+        free = self._free_pages[group]
+        while count > len(free) and self.prefix_cache is not None:
+            evicted = self.prefix_cache.evict(lambda page: self.group_of_page(page) == group)
             if evicted is None:
                 break
             if self.offload is not None:
                 self.offload.stage(*evicted)
             self._return(*evicted[1:])
-        if count > len(self._free_pages):
+        if count > len(free):
             return None
-        return [self._free_pages.pop() for _ in range(count)]
+        return [free.pop() for _ in range(count)]
 
     def free(self, pages: list[int], slot: int | None) -> None:
         for page in reversed(pages):
             if self.prefix_cache is not None and self.prefix_cache.holds(page):
                 self.prefix_cache.release(page)
             else:
-                self._free_pages.append(page)
+                self._free_pages[self.group_of_page(page)].append(page)
         if slot is not None:
             if self.offload is not None:
                 self.offload.release_slot(slot)
-            self._free_slots.append(slot)
+            self._free_slots[self.group_of_slot(slot)].append(slot)
 
     def reset_prefix_cache(self) -> None:
         """Evicts every cached page and snapshot nobody is using, and forgets the host tier's."""
         while (evicted := self.prefix_cache.evict()) is not None:
             self._return(*evicted[1:])
         while (evicted := self.prefix_cache.evict_snapshot()) is not None:
-            self._free_slots.append(evicted[1])
+            self._free_slots[self.group_of_slot(evicted[1])].append(evicted[1])
         if self.offload is not None:
             self.offload.clear()
 
@@ -148,13 +183,6 @@ class CacheAllocator:
         return hit if self.offload is None else self.offload.restore(chain, hit, self, slot)
 
     def _return(self, page: int, snapshot: int | None) -> None:
-        self._free_pages.append(page)
+        self._free_pages[self.group_of_page(page)].append(page)
         if snapshot is not None:
-            self._free_slots.append(snapshot)
-
-    def page_table(self, rows: list[list[int]], width: int) -> np.ndarray:
-        """int32 [len(rows), width]: each row's pages, then the null page 0."""
-        table = np.zeros((len(rows), width), np.int32)
-        for i, pages in enumerate(rows):
-            table[i, :len(pages)] = pages
-        return table
+            self._free_slots[self.group_of_slot(snapshot)].append(snapshot)

@@ -49,12 +49,13 @@ class EncoderCache:
             self.num_bytes += out.nbytes
         return out
 
-    def step_embeds(self, rows, num_rows: int, num_tokens: int):
+    def step_embeds(self, rows, positions: list[int], num_rows: int, num_tokens: int):
         """The embeddings override of a step (`serve.runner.Runner.run`'s `embeds`): rows are (new
-        tokens, request) with the chunk starting at request.computed. None when no chunk reaches an
-        image's pads (a decode step never does: a prompt ends after its last image's <|media_end|>)."""
+        tokens, request) with the chunk starting at request.computed, at `positions` of the step's
+        rows. None when no chunk reaches an image's pads (a decode step never does: a prompt ends
+        after its last image's <|media_end|>)."""
         values = mask = None
-        for i, (new, request) in enumerate(rows):
+        for i, (new, request) in zip(positions, rows):
             start, end = request.computed, request.computed + len(new)
             for span in request.images:  # serve.multimodal.ImageSpan, in prompt order
                 lo, hi = max(span.start, start), min(span.end, end)

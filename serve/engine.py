@@ -32,12 +32,13 @@ from serve.cache import CacheAllocator, engine_layout, page_bytes, slot_bytes
 from serve.disagg.handoff import Handoff, PrefillOnly, Prefilled, check_handoff, pool_specs
 from serve.kv_offload import KVOffload
 from serve.prefix_cache import PrefixCache
-from serve.runner import Runner, bucket, buckets
+from serve.runner import Runner, bucket, buckets, place
 from serve.sampling import SamplingParams
 from serve.step_sampler import StepSampler, picked
 from serve.structured import Grammars
 from serve.scheduler import Request, Scheduler, Status, StepPlan
 from serve.sessions import DEFAULT_TTL_S, SessionPins, session_key
+from sharding.mesh import data_size
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,10 @@ class EngineOptions:
     max_prefill_chunk: int = 256  # the longest prefill chunk one row runs per step
     max_prefill_rows: int = 4  # prefill chunks per step
     block_size: int = 16  # tokens per MLA page
-    kv_cache_memory_bytes: int | None = None  # one budget for MLA pages and KDA slots
-    num_gpu_blocks: int | None = None  # or: exactly this many pages (vLLM's override)
+    # One budget for MLA pages and KDA slots, or exactly this many pages (vLLM's override); on a mesh
+    # each data group has its own (DP attention: serve/cache.py engine_layout)
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks: int | None = None
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = False
     num_snapshot_slots: int | None = None  # KDA snapshots the prefix cache keeps (default: max_num_seqs)
@@ -131,11 +134,14 @@ class Engine:
             speculator = speculation.from_config(options.speculative_config, model, kv_dtype)
         if speculator is not None and options.kv_offload_bytes:  # the draft's own pages would not come back
             raise ValueError("kv_offload_bytes: not with speculative decoding")
+        groups = data_size(model.mesh)  # DP attention: one block of the pools per data group (serve/runner.py)
+        if speculator is not None and groups > 1:  # the draft's pages and its rows are not split by group yet
+            raise ValueError(f"speculative decoding: not yet on a mesh with data > 1 (this one has data={groups})")
         self.speculator = speculator
         self.stats_counters = speculation.SpecStats(speculator.num_speculative_tokens if speculator else 0)
         kv_bytes = jnp.dtype(kv_dtype).itemsize
         draft_page_bytes = speculator.page_bytes(options.block_size) if speculator else 0
-        self.layout = engine_layout(cfg, options, jnp.dtype(model.dtype).itemsize, kv_bytes, draft_page_bytes)
+        self.layout = engine_layout(cfg, options, jnp.dtype(model.dtype).itemsize, kv_bytes, draft_page_bytes, groups)
         self.prefix_cache = PrefixCache(options.block_size) if options.enable_prefix_caching else None
         self.offload = KVOffload(options.kv_offload_bytes) if options.kv_offload_bytes else None
         self.allocator = CacheAllocator(self.layout, self.prefix_cache, self.offload)
@@ -316,16 +322,17 @@ class Engine:
         touched = []
         if plan.prefill:
             rows = [(r.tokens[r.computed:r.computed + n], r) for r, n in plan.prefill]
-            touched += self.emit(self._run(rows, bucket(len(rows), self.prefill_rows),
-                                            bucket(max(len(t) for t, _ in rows), self.prefill_tokens)))
+            positions, num_rows = place([r.group for _, r in rows], self.layout.groups, self.prefill_rows)
+            touched += self.emit(picked(*self._launch(rows, positions, num_rows,
+                                                      bucket(max(len(t) for t, _ in rows), self.prefill_tokens))))
         if plan.decode and self.speculator is not None:
             touched += speculation.verify_step(self, plan.decode)
         elif plan.decode:
             rows = [(r.tokens[r.computed:], r) for r in plan.decode]
-            num_rows = bucket(len(rows), self.decode_rows)
-            result, ready = self._launch(rows, num_rows, 1)
+            positions, num_rows = place([r.group for r in plan.decode], self.layout.groups, self.decode_rows)
+            result, ready = self._launch(rows, positions, num_rows, 1)
             if not plan.prefill:
-                self._ahead = self._run_ahead(plan.decode, num_rows, result)
+                self._ahead = self._run_ahead(plan.decode, positions, num_rows, result)
             touched += self._emit_landed(result, ready)
         requests = list(dict.fromkeys(touched))
         if self.speculator is not None:
@@ -363,12 +370,10 @@ class Engine:
                 self._append(request, token)
         return [r for r, _, _ in sampled]
 
-    def _run(self, rows, num_rows: int, num_tokens: int) -> list[tuple[Request, int, dict | None]]:
-        return picked(*self._launch(rows, num_rows, num_tokens))
-
-    def _launch(self, rows, num_rows: int, num_tokens: int):
-        """Dispatches the step of `rows` and the sampler of its ready rows (row index, request), which
-        `picked` brings to the host. Returns (the sampler's device result or None, the ready rows)."""
+    def _launch(self, rows, positions: list[int], num_rows: int, num_tokens: int):
+        """Dispatches the step of `rows` (at `positions` of num_rows: serve.runner.place) and the sampler of
+        its ready rows (row, request), which `picked` brings to the host. Returns (the sampler's device
+        result or None, the ready rows)."""
         for _, request in rows:  # prefix-cache hits resume from a KDA snapshot, prefilled prompts from their handoff
             if request.restore_from is not None:
                 self.runner.copy_slot(request.restore_from, request.slot)
@@ -376,15 +381,15 @@ class Engine:
             if request.imported is not None:
                 self.runner.write_state(request.pages, request.slot, request.imported)
                 request.imported = None  # a preempted request recomputes its prompt, as any other
-        embeds = self.images.step_embeds(rows, num_rows, num_tokens) if self.images is not None else None
+        embeds = self.images.step_embeds(rows, positions, num_rows, num_tokens) if self.images is not None else None
         logits, taps = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens,
-                                       embeds=embeds)
+                                       positions=positions, embeds=embeds)
         if self.speculator is not None:  # the draft reads the target's hidden states of these tokens
             self.speculator.observe([(r, r.computed, len(new)) for new, r in rows], taps)
         for new, request in rows:
             request.computed += len(new)
         self._register(r for _, r in rows)
-        ready = [(i, r) for i, (_, r) in enumerate(rows) if r.pending == 0]
+        ready = [(i, r) for i, (_, r) in zip(positions, rows) if r.pending == 0]
         return (self.sampler(ready, num_rows)(logits) if ready else None), ready
 
     def _register(self, requests) -> None:
@@ -397,7 +402,7 @@ class Engine:
 
     # async scheduling: the next decode step goes to the device before this one's tokens reach the host
 
-    def _run_ahead(self, requests: list[Request], num_rows: int, result) -> _Ahead | None:
+    def _run_ahead(self, requests: list[Request], positions: list[int], num_rows: int, result) -> _Ahead | None:
         """Dispatches the next decode step of the same requests, in the same rows, fed with the tokens
         `result` samples: still on the device, so the host's work between steps (bringing the tokens
         over, stop rules, detokenizing, building the next step's inputs, and XLA:CPU's inline part of
@@ -412,12 +417,12 @@ class Engine:
         if not all(self.scheduler.reserve(r, 1) for r in requests):
             return None
         logits, _ = self.runner.run([([0], r.computed, r.slot, r.pages) for r in requests], num_rows, 1,
-                                    device_tokens=result.tokens)
+                                    positions=positions, device_tokens=result.tokens)
         for request in requests:
             request.computed += 1
-        ready = list(enumerate(requests))
+        ready = list(zip(positions, requests))
         self.num_steps_ahead += 1
-        return _Ahead(requests, num_rows, ready, self.sampler(ready, num_rows, in_flight=1)(logits))
+        return _Ahead(requests, positions, num_rows, ready, self.sampler(ready, num_rows, in_flight=1)(logits))
 
     def _can_run_ahead(self, requests: list[Request]) -> bool:
         scheduler, limit = self.scheduler, self.options.max_model_len
@@ -430,8 +435,10 @@ class Engine:
                     or r.id in self.grammars or (r.params.max_tokens is not None and produced >= r.params.max_tokens) \
                     or len(r.prompt) + produced >= limit:
                 return False
-        new_pages = sum(self.allocator.pages_for(r.computed + 1) - len(r.pages) for r in requests)
-        return new_pages <= self.allocator.free_pages
+        new_pages = [0] * self.layout.groups
+        for r in requests:
+            new_pages[r.group] += self.allocator.pages_for(r.computed + 1) - len(r.pages)
+        return all(n <= self.allocator.free_pages_in(g) for g, n in enumerate(new_pages))
 
     def _emit_landed(self, result, ready) -> list[Request]:
         """Emits a step's tokens once they land; then the rows of a step already ahead of it hold their
@@ -451,7 +458,7 @@ class Engine:
     def _land(self, ahead: _Ahead) -> list[Request]:
         """The step of a call that found one dispatched ahead: dispatches the next one first (when the
         batch is still steady), then emits this one's tokens for the requests still running."""
-        self._ahead = self._run_ahead(ahead.requests, ahead.num_rows, ahead.result)
+        self._ahead = self._run_ahead(ahead.requests, ahead.positions, ahead.num_rows, ahead.result)
         live = [(i, r) for i, r in ahead.ready if r.status is Status.RUNNING]
         return self._emit_landed(ahead.result, live)
 
@@ -515,7 +522,8 @@ class Engine:
 class _Ahead:
     """A decode step dispatched before the previous step's tokens reached the host."""
 
-    requests: list[Request]  # its rows, in order
+    requests: list[Request]
+    positions: list[int]  # each one's row (serve.runner.place)
     num_rows: int  # with the padding rows
     ready: list[tuple[int, Request]]  # (row, request): every row samples
     result: sampling.SampleResult  # on the device

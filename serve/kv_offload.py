@@ -170,7 +170,7 @@ class KVOffload:
         resident = [h for h in chain[hit:end] if h in cache.entries]
         cache.reference(resident)  # before allocating, which could evict them
         missing = [h for h in chain[hit:end] if h not in cache.entries]
-        pages = allocator.allocate_pages(len(missing))
+        pages = allocator.allocate_pages(len(missing), allocator.group_of_slot(slot))
         if pages is None:  # the pool is full: recompute past the device hit
             allocator.free([cache.entries[h].page for h in resident], None)
             return hit

@@ -60,14 +60,14 @@ class ServerMetrics:
     def observe_engine(self, engine) -> None:
         """Refreshes the gauges from the engine (on the engine thread)."""
         layout, allocator = engine.layout, engine.allocator
-        usable_pages = layout.num_pages - 1  # page 0 is the null page padding rows point at
+        usable_pages = layout.num_pages - layout.groups  # each data group's page 0 is the null page padding rows point at
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.free_pages.set(allocator.free_pages)
         self.total_pages.set(usable_pages)
         self.cache_usage.set(1.0 - allocator.free_pages / usable_pages)
         self.free_slots.set(allocator.free_slots)
-        self.total_slots.set(layout.num_slots - 1)  # slot 0 is the null slot
+        self.total_slots.set(layout.num_slots - layout.groups)  # and its slot 0 the null slot
         if engine.prefix_cache is not None:
             self.prefix_cache_hit_rate.set(engine.prefix_cache.hit_rate)
         if engine.speculator is not None:

@@ -11,6 +11,10 @@ Entries nobody uses are evicted least recently used first when pages or slots ru
 and a miss give the same tokens: the hit resumes from exactly the state the miss would compute.
 A pinned chain (an agent session's prefix between its turns, serve/sessions.py) holds a reference on
 each of its pages and keeps the snapshot at its end until it is unpinned.
+
+With DP attention (serve/cache.py) a request reads only its own data group's pages: each group's chains
+start from their own root, so the same prefix cached in two groups is two entries, and eviction takes
+the entries of the group that needs room.
 """
 
 from __future__ import annotations
@@ -47,12 +51,17 @@ class PrefixCache:
             hashes.append(previous)
         return hashes
 
-    def lookup(self, prompt: list[int], restore=None) -> tuple[list[bytes], list[int], int | None]:
-        """The longest cached prefix of `prompt` that ends at a snapshot and leaves at least one token
-        to compute: (hashes, pages, snapshot slot); the pages are referenced for the caller.
-        restore(chain, hit): the pages of the prompt's chain a host tier extends the device hit to
-        (serve/kv_offload.py), cached and referenced again."""
-        chain = self.chain(prompt, 0, (len(prompt) - 1) // self.page_size)
+    @staticmethod
+    def root(group: int) -> bytes:
+        """What the hash chain of a prompt cached in data `group` starts from."""
+        return b"" if group == 0 else b"group %d" % group  # never 16 bytes long, as a page's hash is
+
+    def lookup(self, prompt: list[int], restore=None, group: int = 0) -> tuple[list[bytes], list[int], int | None]:
+        """The longest cached prefix of `prompt` in data `group` that ends at a snapshot and leaves at
+        least one token to compute: (hashes, pages, snapshot slot); the pages are referenced for the
+        caller. restore(chain, hit): the pages of the prompt's chain a host tier extends the device hit
+        to (serve/kv_offload.py), cached and referenced again."""
+        chain = self.chain(prompt, 0, (len(prompt) - 1) // self.page_size, self.root(group))
         hashes = self._referenced(chain)
         if restore is not None:
             hashes = chain[:restore(chain, len(hashes))]
@@ -60,9 +69,12 @@ class PrefixCache:
         self.hit_tokens += len(hashes) * self.page_size
         return hashes, [self.entries[h].page for h in hashes], self.entries[hashes[-1]].snapshot if hashes else None
 
-    def _referenced(self, hashes: list[bytes]) -> list[bytes]:
-        """The longest cached prefix of the chain `hashes` that ends at a snapshot, its entries
-        referenced (and made the most recently used)."""
+    def cached_pages(self, prompt: list[int], group: int) -> int:
+        """How many pages `lookup` would find for `prompt` in `group` on the device (nothing referenced)."""
+        return self._usable(self.chain(prompt, 0, (len(prompt) - 1) // self.page_size, self.root(group)))
+
+    def _usable(self, hashes: list[bytes]) -> int:
+        """Length of the longest cached prefix of the chain `hashes` that ends at a snapshot."""
         usable = 0
         for i, h in enumerate(hashes):
             entry = self.entries.get(h)
@@ -70,6 +82,12 @@ class PrefixCache:
                 break
             if entry.snapshot is not None:
                 usable = i + 1
+        return usable
+
+    def _referenced(self, hashes: list[bytes]) -> list[bytes]:
+        """The longest cached prefix of the chain `hashes` that ends at a snapshot, its entries
+        referenced (and made the most recently used)."""
+        usable = self._usable(hashes)
         self.reference(hashes[:usable])
         return hashes[:usable]
 
@@ -123,20 +141,22 @@ class PrefixCache:
         slot, entry.snapshot = entry.snapshot, None
         return slot
 
-    def evict(self) -> tuple[bytes, int, int | None] | None:
-        """Drops the least recently used entry nobody references: (its hash, its page, its snapshot slot or None)."""
+    def evict(self, page_wanted=None) -> tuple[bytes, int, int | None] | None:
+        """Drops the least recently used entry nobody references (whose page `page_wanted(page)` accepts,
+        when given): (its hash, its page, its snapshot slot or None)."""
         for h, entry in self.entries.items():
-            if entry.refs == 0:
+            if entry.refs == 0 and (page_wanted is None or page_wanted(entry.page)):
                 del self.entries[h]
                 del self.by_page[entry.page]
                 return h, entry.page, entry.snapshot
         return None
 
-    def evict_snapshot(self) -> tuple[bytes, int] | None:
-        """Frees the least recently used snapshot slot no pin protects (a copy: requests that resumed
-        from it hold their own state; the pages stay cached): (its entry's hash, the slot)."""
+    def evict_snapshot(self, slot_wanted=None) -> tuple[bytes, int] | None:
+        """Frees the least recently used snapshot slot no pin protects (and `slot_wanted(slot)` accepts,
+        when given; a copy: requests that resumed from it hold their own state; the pages stay cached):
+        (its entry's hash, the slot)."""
         for h, entry in self.entries.items():
-            if entry.snapshot is not None and not entry.pins:
+            if entry.snapshot is not None and not entry.pins and (slot_wanted is None or slot_wanted(entry.snapshot)):
                 slot, entry.snapshot = entry.snapshot, None
                 return h, slot
         return None

@@ -6,10 +6,13 @@ to powers of two (`buckets`), padding rows point at the null slot and page, and 
 always has the width of `max_model_len`: nothing recompiles in steady state.
 
 On a mesh, rows are split over `data` (so row counts are multiples of its size) and heads over
-`model`. Every data group holds the whole page and slot pools: any row may use any page or slot, and
-each step's pool writes reach every group. That is the simple design; its cost is memory, since a
-data group's devices hold the KDA states and MLA pages of every running request, not only of their
-own rows (DP attention, as vLLM and SGLang run it, gives each group its own pools and requests).
+`model`. DP attention, as vLLM and SGLang run it: the page and slot pools split over `data` too, each
+data group holding the pages and slots of its own requests (`CacheLayout.groups`, serve/cache.py), so
+the cache a device holds shrinks as the mesh grows. A step's rows are laid out in equal blocks, one
+per group (`place`), each row in its request's group's block, and the step's slot and page ids are
+made local to the block (`PagedState.groups`): every group reads and writes only its own pools, with
+nothing exchanged between groups. The MoE stays expert-parallel over every device. What is not a
+step (prefix-cache slot copies, the host tier's copies, a PD handoff) addresses the pools by global id.
 
 Images: a runner with `embed_width` (a model with a vision encoder) gives a prefill step that reaches
 image positions an input-embeddings override, values [rows, T, H] and a mask [rows, T]. Such a step
@@ -50,24 +53,42 @@ def bucket(value: int, sizes: tuple[int, ...]) -> int:
     return next(s for s in sizes if s >= value)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
-def _step(structure, params, pools, tokens, lengths, offsets, slots, page_table, taps, embeds=None):
+def place(groups: list[int], num_groups: int, sizes: tuple[int, ...]) -> tuple[list[int], int]:
+    """Where the rows of requests in data `groups` go in a step of `num_groups` groups: (each one's row,
+    the row count: the smallest of `sizes` that holds them). Group g's requests take the first rows of
+    block g of the num_rows / num_groups equal blocks; with one group, row i is the i-th request's."""
+    if num_groups == 1:
+        return list(range(len(groups))), bucket(len(groups), sizes)
+    counts = [0] * num_groups
+    for group in groups:
+        counts[group] += 1
+    num_rows = bucket(num_groups * max(counts), sizes)
+    block, taken, positions = num_rows // num_groups, [0] * num_groups, []
+    for group in groups:
+        positions.append(group * block + taken[group])
+        taken[group] += 1
+    return positions, num_rows
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 9), donate_argnums=3)
+def _step(structure, groups, params, pools, tokens, lengths, offsets, slots, page_table, taps, embeds=None):
     """Last-token logits [rows, V], the pools, and the tapped hidden states [rows, T, F] (or None).
     tokens: [rows, T], or [rows] for a decode step (what the sampler returns, so a step the engine
-    runs ahead takes the previous step's samples as they are). embeds: None, or the (values, mask)
-    override of `K3Transformer.step`."""
+    runs ahead takes the previous step's samples as they are). groups: DP attention's blocks
+    (`PagedState.groups`). embeds: None, or the (values, mask) override of `K3Transformer.step`."""
     tokens = tokens.reshape(lengths.shape[0], -1)
-    out = structure.merge(params).step(tokens, lengths, PagedState(pools, offsets, slots, page_table),
+    out = structure.merge(params).step(tokens, lengths, PagedState(pools, offsets, slots, page_table, groups),
                                        last_only=True, taps=taps, embeds=embeds)
     return out.logits, out.state.layers, out.taps
 
 
-@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
-def _verify(structure, params, pools, tokens, lengths, offsets, slots, page_table, taps):
+@functools.partial(jax.jit, static_argnums=(0, 1, 9), donate_argnums=3)
+def _verify(structure, groups, params, pools, tokens, lengths, offsets, slots, page_table, taps):
     """A speculative window per row: logits of every position [rows, W, V], the pools (MLA rows
     written for the whole window, KDA slots untouched), the taps and the KDA records."""
     tokens = tokens.reshape(lengths.shape[0], -1)  # [rows] when the window is one token (as in `_step`)
-    out = structure.merge(params).verify(tokens, lengths, PagedState(pools, offsets, slots, page_table), taps=taps)
+    out = structure.merge(params).verify(tokens, lengths, PagedState(pools, offsets, slots, page_table, groups),
+                                         taps=taps)
     return out.logits, out.state.layers, out.taps, out.records
 
 
@@ -113,6 +134,9 @@ class Runner:
         self.taps = taps  # the hidden states a speculator reads: every step then returns them
         self.embed_width = embed_width  # set: prefill steps take an embeddings override (images)
         self.page_table_width = -(-max_model_len // layout.page_size)
+        if layout.groups != data_size(model.mesh):
+            raise ValueError(f"a cache layout of {layout.groups} groups on a mesh with data={data_size(model.mesh)}: "
+                             "the pools split over data, one group each (DP attention)")
         make = functools.partial(init_pools, model.config, num_slots=layout.num_slots, num_pages=layout.num_pages,
                                  page_size=layout.page_size, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
         # Committed to their devices, one or the mesh's: an input committed to the device (a handoff pulled by
@@ -127,10 +151,12 @@ class Runner:
         self.num_data = data_size(model.mesh)
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int, *,
-            device_tokens: jax.Array | None = None, embeds: tuple[np.ndarray, np.ndarray] | None = None):
-        """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens.
-        Returns (float32 logits [num_rows, vocab] of each row's last new token (padding rows: garbage),
-        the tapped hidden states [num_rows, num_tokens, F] or None).
+            positions: list[int] | None = None, device_tokens: jax.Array | None = None,
+            embeds: tuple[np.ndarray, np.ndarray] | None = None):
+        """rows: (new tokens, tokens already cached, slot, pages) each, padded to num_rows x num_tokens,
+        at `positions` (`place`'s; default: in order). Returns (float32 logits [num_rows, vocab] of each
+        row's last new token (padding rows: garbage), the tapped hidden states [num_rows, num_tokens, F]
+        or None).
 
         device_tokens: int32 [num_rows] on the device, a decode step's tokens used instead of the rows'
         (whose count still sets each row's length): the engine's run-ahead feeds the previous step's
@@ -140,7 +166,7 @@ class Runner:
         embeddings that replace the tokens' where the mask is set (a runner with `embed_width`, steps
         of more than one token; None: no image in the step)."""
         self._transfer()
-        arrays = self._arrays(rows, num_rows, num_tokens) + self._override(embeds, num_tokens)
+        arrays = self._arrays(rows, num_rows, num_tokens, positions) + self._override(embeds, num_tokens)
         if device_tokens is not None:
             if self.spans_processes:
                 raise ValueError("device_tokens: a step over several processes takes host tokens")
@@ -213,16 +239,18 @@ class Runner:
         with self._mesh():
             self.pools = _commit(self.pools, records, slots, accepted, targets)
 
-    def _arrays(self, rows, num_rows: int, num_tokens: int):
+    def _arrays(self, rows, num_rows: int, num_tokens: int, positions: list[int] | None = None):
+        """The step's arrays; slot and page ids local to their group's block (the same ids with one group)."""
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         lengths = np.zeros(num_rows, np.int32)
         offsets = np.zeros(num_rows, np.int32)
         slots = np.zeros(num_rows, np.int32)
         table = np.zeros((num_rows, self.page_table_width), np.int32)
-        for i, (new, cached, slot, pages) in enumerate(rows):
+        layout = self.layout
+        for i, (new, cached, slot, pages) in zip(range(len(rows)) if positions is None else positions, rows):
             tokens[i, :len(new)] = new
-            lengths[i], offsets[i], slots[i] = len(new), cached, slot
-            table[i, :len(pages)] = pages
+            lengths[i], offsets[i], slots[i] = len(new), cached, slot % layout.slots_per_group
+            table[i, :len(pages)] = np.asarray(pages, np.int64) % layout.pages_per_group
         return (tokens[:, 0] if num_tokens == 1 else tokens), lengths, offsets, slots, table
 
     def copy_slot(self, source: int, target: int) -> None:
@@ -304,15 +332,15 @@ class Runner:
         return jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext()
 
     def _call(self, fn, arrays, *, embeds=(), pools=None, compile_only: bool = False):
-        """fn(structure, params, pools, *arrays, taps[, embeds]): arrays and embeds placed by rows."""
-        args = (self.model.structure, self.model.param_leaves, self.pools if pools is None else pools,
-                *self._place(arrays), self.taps)
+        """fn(structure, groups, params, pools, *arrays, taps[, embeds]): arrays and embeds placed by rows."""
+        args = (self.model.structure, self.layout.groups, self.model.param_leaves,
+                self.pools if pools is None else pools, *self._put_rows(arrays), self.taps)
         if embeds:
-            args += (tuple(self._place(embeds)),)
+            args += (tuple(self._put_rows(embeds)),)
         with self._mesh():
             return fn.lower(*args).compile() if compile_only else fn(*args)
 
-    def _place(self, arrays):
+    def _put_rows(self, arrays):
         model = self.model
         if model.mesh is None:  # committed like the run-ahead's device tokens, so both take one compiled step
             return jax.device_put(list(arrays), jax.local_devices()[0])  # in one call: 5 apart cost 50% more

@@ -13,6 +13,10 @@ A request of an agent session (serve/sessions.py) snapshots its KDA state at eve
 reaches, keeping only the latest of those, and when it finishes the prefix cache pins what it leaves
 cached; pins expire after their TTL, and give way (oldest first) only when a step could otherwise
 run nothing for want of pages.
+DP attention (a mesh with data > 1): each request runs in one data group, whose pages and slots it
+holds (serve/cache.py). A request joins the group where the prefix cache holds most of its prompt,
+then the one with most free pages; each group takes its share of max_num_seqs and of the prefill rows,
+and a request short of a page preempts the latest admitted request of its own group.
 Images are encoded in the step whose chunk first reaches them; the encoder runs on at most
 `encoder_budget` image tokens a step (vLLM's encoder budget; one image however large when the step
 has none yet): a chunk that would reach an image past it ends where that image starts.
@@ -45,6 +49,7 @@ class Request:
     computed: int = 0  # tokens whose KDA state and MLA rows are in the cache
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
+    group: int = 0  # the data group whose pages and slot it holds (DP attention), set at admission
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -107,6 +112,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
         self.max_prefill_rows = max_prefill_rows
+        self.groups = allocator.layout.groups
+        self.max_seqs_per_group = -(-max_num_seqs // self.groups)
+        self.max_prefill_rows_per_group = -(-max_prefill_rows // self.groups)
         self.whole_chunks = whole_chunks
         self.encoder_cache = encoder_cache
         self.encoder_budget = encoder_budget
@@ -144,7 +152,7 @@ class Scheduler:
                 request.drafts, request.draft_logits = [], None  # speculation never preempts anyone
             while not self.reserve(request, 1):
                 self._short_of_pages = True
-                victim = self.running[-1]
+                victim = next(r for r in reversed(self.running) if r.group == request.group)
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -157,6 +165,8 @@ class Scheduler:
         for request in [r for r in self.running if r.pending > 1 and not r.paused]:  # chunked prefills under way
             if budget <= 0 or len(prefill) == self.max_prefill_rows:
                 break
+            if self._prefill_rows_in(prefill, request.group) == self.max_prefill_rows_per_group:
+                continue
             chunk = self._chunk(request, budget)
             if chunk:
                 prefill.append((request, chunk))
@@ -166,7 +176,7 @@ class Scheduler:
             request = self.waiting[0]
             if request.suspect and self.running:
                 break
-            slot = self.allocator.allocate_slot()
+            slot = self._admit_slot(request, prefill)
             if slot is None:
                 break
             request.slot = slot
@@ -174,7 +184,7 @@ class Scheduler:
                 request.computed = request.imported.num_tokens
             elif self.prefix_cache is not None:
                 request.hashes, request.pages, request.restore_from = self.prefix_cache.lookup(
-                    request.cache_tokens, lambda chain, hit: self.allocator.restore(chain, hit, slot))
+                    request.cache_tokens, lambda chain, hit: self.allocator.restore(chain, hit, slot), request.group)
                 request.computed = request.num_cached_tokens = len(request.pages) * self.page_size
             chunk = self._chunk(request, budget)
             if not chunk:
@@ -189,6 +199,31 @@ class Scheduler:
             if request.suspect:
                 break
         return StepPlan(decode, prefill)
+
+    def _admit_slot(self, request: Request, prefill: list[tuple[Request, int]]) -> int | None:
+        """A slot for a waiting request, in the data group it should join (`request.group`), or None
+        when no group has room for it this step."""
+        if self.groups == 1:
+            return self.allocator.allocate_slot()
+        running = [0] * self.groups
+        for r in self.running:
+            running[r.group] += 1
+        open_groups = [g for g in range(self.groups) if running[g] < self.max_seqs_per_group
+                       and self._prefill_rows_in(prefill, g) < self.max_prefill_rows_per_group]
+
+        def preference(g: int):
+            cached = self.prefix_cache.cached_pages(request.cache_tokens, g) if self.prefix_cache is not None else 0
+            return -cached, -self.allocator.free_pages_in(g), running[g], g
+
+        for group in sorted(open_groups, key=preference):
+            if (slot := self.allocator.allocate_slot(group)) is not None:
+                request.group = group
+                return slot
+        return None
+
+    @staticmethod
+    def _prefill_rows_in(prefill: list[tuple[Request, int]], group: int) -> int:
+        return sum(r.group == group for r, _ in prefill)
 
     def finish(self, request: Request, reason: str) -> None:
         """Ends a request (done, stopped or cancelled) and frees its pages and slot at once; a session's
@@ -213,7 +248,8 @@ class Scheduler:
         cache = self.prefix_cache
         full, start = request.computed // self.page_size, len(request.hashes)
         if full > start:
-            hashes = cache.chain(request.cache_tokens, start, full, request.hashes[-1] if request.hashes else b"")
+            hashes = cache.chain(request.cache_tokens, start, full,
+                                 request.hashes[-1] if request.hashes else cache.root(request.group))
             for page, h in zip(request.pages[start:full], hashes):
                 cache.insert(h, page)
             request.hashes += hashes
@@ -224,7 +260,7 @@ class Scheduler:
         if not request.computed or not (trailing or request.computed == boundary):
             return None
         h = request.hashes[request.computed // self.page_size - 1]
-        if not cache.wants_snapshot(h) or (slot := self.allocator.allocate_slot()) is None:
+        if not cache.wants_snapshot(h) or (slot := self.allocator.allocate_slot(request.group)) is None:
             return None
         cache.set_snapshot(h, slot)
         if trailing:  # only the latest of these is worth a slot: the previous one is a prefix of it
@@ -274,7 +310,7 @@ class Scheduler:
 
     def _fits(self, request: Request) -> int:
         """Most new tokens the request's pages plus the free pages can hold."""
-        capacity = (len(request.pages) + self.allocator.free_pages) * self.allocator.layout.page_size
+        capacity = (len(request.pages) + self.allocator.free_pages_in(request.group)) * self.allocator.layout.page_size
         return capacity - request.computed
 
     def reserve(self, request: Request, new_tokens: int) -> bool:
@@ -282,7 +318,7 @@ class Scheduler:
         needed = self.allocator.pages_for(request.computed + new_tokens) - len(request.pages)
         if needed <= 0:
             return True
-        pages = self.allocator.allocate_pages(needed)
+        pages = self.allocator.allocate_pages(needed, request.group)
         if pages is None:
             return False
         request.pages.extend(pages)

@@ -82,7 +82,8 @@ class SessionPins:
         if budget is None:
             budget = int(DEFAULT_BUDGET_FRACTION * (layout.num_pages * page_bytes + layout.num_slots * slot_bytes))
         return SessionPins(prefix_cache, ttl_s=options.session_ttl, budget_bytes=budget,
-                           max_pins=layout.num_slots - 1 - options.max_num_seqs, page_bytes=page_bytes,
+                           max_pins=layout.num_slots - layout.groups * (1 + -(-options.max_num_seqs // layout.groups)),
+                           page_bytes=page_bytes,
                            slot_bytes=slot_bytes)
 
     @property

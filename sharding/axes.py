@@ -42,8 +42,8 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "sequence": (),
     "cache_width": (),  # MLA latent + shared key, shared by all heads
-    "slots": (),  # the engine's KDA state pool: every data group holds every slot (rows split over data)
-    "pages": (),  # the engine's MLA page pool, held whole like the slots
+    "slots": (DATA,),  # the engine's KDA state pool: each data group holds its own requests' (DP attention)
+    "pages": (DATA,),  # the engine's MLA page pool, split like the slots
     "page_rows": (),
 }
 

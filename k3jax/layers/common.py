@@ -68,3 +68,15 @@ def rms_norm(x, weight, eps: float, out_dtype):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (normed * weight.astype(jnp.float32)).astype(out_dtype)
+
+
+def per_group(fn, groups: int, *args):
+    """fn(*args) on each of `groups` equal blocks of every argument's leading axis, the results joined
+    again: DP attention's pool reads and writes (k3jax.decoder.PagedState.groups), where rows and pool
+    entries both split over `data` in blocks and row block g uses only pool block g. As a batched
+    gather or scatter the partitioner keeps each on its own data group; with global ids it would
+    move the pools between groups."""
+    if groups == 1:
+        return fn(*args)
+    blocks = jax.vmap(fn)(*jax.tree.map(lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:]), args))
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), blocks)

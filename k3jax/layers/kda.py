@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
-from k3jax.layers.common import Linear, param, rms_norm
+from k3jax.layers.common import Linear, param, per_group, rms_norm
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import kda_decode as kda_decode_ops
 from sharding.mesh import DATA, MODEL
@@ -95,13 +95,15 @@ class KimiDeltaAttention(nnx.Module):
         if x.shape[1] == 1 and not batch.record:
             return self._decode_in_slots(x, cache, batch)
         fresh = batch.offsets == 0
-        rows = jax.tree.map(lambda pool: jnp.where(fresh.reshape(-1, *(1,) * (pool.ndim - 1)), 0,
-                                                   pool[batch.slots]).astype(pool.dtype), cache)
+        rows = per_group(lambda pools, slots: jax.tree.map(lambda pool: pool[slots], pools), batch.groups, cache,
+                         batch.slots)
+        rows = jax.tree.map(lambda r: jnp.where(fresh.reshape(-1, *(1,) * (r.ndim - 1)), 0, r).astype(r.dtype), rows)
         if batch.record:
             out, record = self._forward(x, rows, batch.valid, batch.lengths, record=True)
             return out, Recorded(cache, record)
         out, rows = self._forward(x, rows, batch.valid, batch.lengths)
-        return out, jax.tree.map(lambda pool, r: pool.at[batch.slots].set(r), cache, rows)
+        return out, per_group(lambda pools, slots, new: jax.tree.map(lambda pool, r: pool.at[slots].set(r), pools, new),
+                              batch.groups, cache, batch.slots, rows)
 
     def _decode_in_slots(self, x, pool: KDACache, batch):
         """One token per row, the states updated in their slots by the decode op (a Pallas kernel on
@@ -112,14 +114,20 @@ class KimiDeltaAttention(nnx.Module):
         slots = jnp.where(batch.lengths > 0, batch.slots, 0)
         fresh = (batch.offsets == 0) & (slots > 0)
         # A sequence whose first token this is starts from zeros, not from what its slot held last.
-        pool = jax.lax.cond(jnp.any(fresh), lambda p: jax.tree.map(
-            lambda a: a.at[jnp.where(fresh, slots, 0)].set(0), p), lambda p: p, pool)
+        def zero(pools, ids):
+            return jax.tree.map(lambda a: a.at[ids].set(0), pools)
+        pool = jax.lax.cond(jnp.any(fresh), lambda p: per_group(zero, batch.groups, p, jnp.where(fresh, slots, 0)),
+                            lambda p: p, pool)
         qkv = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)  # [B, 1, 3, P]
         weight = jnp.stack([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=1)  # [W, 3, P]
         f = self.f_b_proj(self.f_a_proj(x), jnp.float32)
-        o, conv, state = kda_decode_ops.kda_decode(qkv, weight, pool.conv, f, self.dt_bias[...], self.A_log[...],
-                                                   self.b_proj(x, jnp.float32), pool.state, slots,
-                                                   gate_lower_bound=cfg.kda_gate_lower_bound)
+        dt_bias, a_log = self.dt_bias[...], self.A_log[...]
+
+        def decode(qkv, conv_pool, f, beta_logits, state_pool, slots):
+            return kda_decode_ops.kda_decode(qkv, weight, conv_pool, f, dt_bias, a_log, beta_logits, state_pool, slots,
+                                             gate_lower_bound=cfg.kda_gate_lower_bound)
+        o, conv, state = per_group(decode, batch.groups, qkv, pool.conv, f, self.b_proj(x, jnp.float32), pool.state,
+                                   slots)
         return self._gated_output(x, o.reshape(b, 1, cfg.kda_num_heads, cfg.kda_head_dim)), KDACache(conv, state)
 
     def _gated_output(self, x, o):

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
-from k3jax.layers.common import Linear, RMSNorm
+from k3jax.layers.common import Linear, RMSNorm, per_group
 from pallas_kernels import mla as mla_ops
 from sharding.mesh import DATA, MODEL
 
@@ -47,9 +47,10 @@ class MLAPages(NamedTuple):
     def zeros(cfg: K3Config, num_pages: int, page_size: int, dtype, scale: float = 1.0) -> "MLAPages":
         return MLAPages(jnp.zeros((num_pages, page_size, cfg.mla_cache_width), dtype), jnp.float32(scale))
 
-    def write(self, page_ids, rows_in_page, values) -> "MLAPages":
-        """Stores values [B, T, C] at (page_ids, rows_in_page) [B, T]. Into fp8 pages values beyond
-        the format's range are clamped to it (a plain cast would make them NaN), as vLLM does."""
+    def write(self, page_ids, rows_in_page, values, groups: int = 1) -> "MLAPages":
+        """Stores values [B, T, C] at (page_ids, rows_in_page) [B, T] (`groups`: DP attention's blocks,
+        `per_group`). Into fp8 pages values beyond the format's range are clamped to it (a plain cast
+        would make them NaN), as vLLM does."""
         stored = values.astype(jnp.float32) / self.scale
         if jnp.issubdtype(self.pages.dtype, jnp.floating) and jnp.finfo(self.pages.dtype).bits == 8:
             limit = float(jnp.finfo(self.pages.dtype).max)
@@ -58,12 +59,15 @@ class MLAPages(NamedTuple):
         # The barrier makes every read of the pool read the written pool: without it XLA fuses the
         # write into the attention's gather of the old pool and copies the whole pool (twice, on
         # XLA:CPU) to keep both versions, every step.
-        return self._replace(pages=jax.lax.optimization_barrier(self.pages.at[page_ids, rows_in_page].set(stored)))
+        pages = per_group(lambda pool, ids, rows, x: pool.at[ids, rows].set(x), groups, self.pages, page_ids,
+                          rows_in_page, stored)
+        return self._replace(pages=jax.lax.optimization_barrier(pages))
 
-    def gather(self, page_table, dtype):
+    def gather(self, page_table, dtype, groups: int = 1):
         """Each row's pages as one contiguous cache [B, max_pages * page_size, C] in `dtype`."""
         b, n = page_table.shape
-        rows = self.pages[page_table].reshape(b, n * self.pages.shape[1], self.pages.shape[2])
+        rows = per_group(lambda pool, ids: pool[ids], groups, self.pages, page_table)
+        rows = rows.reshape(b, n * self.pages.shape[1], self.pages.shape[2])
         return (rows.astype(jnp.float32) * self.scale).astype(dtype)
 
 
@@ -111,13 +115,13 @@ class MultiHeadLatentAttention(nnx.Module):
         else:
             if isinstance(cache, MLAPages):
                 cache = cache.write(*page_slots(batch.page_table, positions, cache.pages.shape[1], batch.valid),
-                                    new_rows)
+                                    new_rows, batch.groups)
                 pages = cache
 
                 def attend(q_full):  # decode reads the pages in place, through the page table
-                    return mla_ops.paged_decode_attention(q_full, pages.pages, batch.page_table, offsets + 1,
-                                                          scale=scale, value_width=cfg.kv_lora_rank,
-                                                          kv_scale=pages.scale)
+                    read = functools.partial(mla_ops.paged_decode_attention, scale=scale, value_width=cfg.kv_lora_rank,
+                                             kv_scale=pages.scale)
+                    return per_group(read, batch.groups, q_full, pages.pages, batch.page_table, offsets + 1)
             else:
                 latent = cache.latent.at[jnp.arange(b)[:, None], positions].set(new_rows.astype(cache.latent.dtype),
                                                                                 mode="drop")
@@ -129,7 +133,8 @@ class MultiHeadLatentAttention(nnx.Module):
             if t == 1:
                 o = self._absorbed(q_nope[:, 0], q_rope[:, 0], attend)[:, None]
             else:  # a prefill chunk after cached tokens: the naive form over the whole context
-                rows = cache.gather(batch.page_table, x.dtype) if isinstance(cache, MLAPages) else cache.latent
+                rows = cache.gather(batch.page_table, x.dtype, batch.groups) if isinstance(cache, MLAPages) \
+                    else cache.latent
                 o = self._naive(q_nope, q_rope, rows, offsets, offsets + t, scale)
         return self._output(x, o), cache
 

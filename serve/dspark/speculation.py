@@ -162,7 +162,7 @@ def _snapshots_inside(engine, requests, records, slots, window_tokens) -> list:
     for j in range(max(map(len, boundaries), default=0)):
         targets, accepted = np.zeros_like(slots), np.ones_like(slots)
         for i, request in enumerate(requests):
-            if j < len(boundaries[i]) and (slot := engine.allocator.allocate_slot()) is not None:
+            if j < len(boundaries[i]) and (slot := engine.allocator.allocate_slot(request.group)) is not None:
                 inside.append((request, boundaries[i][j], slot))
                 targets[i], accepted[i] = slot, boundaries[i][j] - request.computed
         engine.runner.commit(records, slots, accepted, targets)

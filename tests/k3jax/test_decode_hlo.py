@@ -94,7 +94,7 @@ def test_engine_decode_step_copies_no_weight(model, rows):
     cfg = model.config
     pools = init_pools(cfg, num_slots=rows + 1, num_pages=4 * rows + 1, page_size=16, dtype=jnp.float32)
     ints = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    text = _step.lower(model.structure, model.params, pools, ints(rows, 1), jnp.ones((rows,), jnp.int32),
+    text = _step.lower(model.structure, 1, model.params, pools, ints(rows, 1), jnp.ones((rows,), jnp.int32),
                        ints(rows), ints(rows) + 1, ints(rows, 4), None).compile().as_text()
     assert not over_the_bound(text, cfg)
 
@@ -107,7 +107,7 @@ def test_engine_decode_step_copies_no_page_pool(model):
     pools = init_pools(cfg, num_slots=2, num_pages=257, page_size=16, dtype=jnp.float32)
     pool_bytes = 257 * 16 * cfg.mla_cache_width * 4
     ints = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    text = _step.lower(model.structure, model.params, pools, ints(1, 1), jnp.ones((1,), jnp.int32),
+    text = _step.lower(model.structure, 1, model.params, pools, ints(1, 1), jnp.ones((1,), jnp.int32),
                        ints(1), ints(1) + 1, ints(1, 4), None).compile().as_text()
     assert not [b for b in materialised_buffers(text) if b.bytes >= pool_bytes]
 
@@ -121,7 +121,7 @@ def test_engine_decode_step_copies_no_slot_pool(model, rows):
     pools = init_pools(cfg, num_slots=257, num_pages=4 * rows + 1, page_size=16, dtype=jnp.float32)
     slot_pool_bytes = min(a.nbytes for a in jax.tree.leaves(pools) if a.ndim and a.shape[0] == 257)
     ints = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    text = _step.lower(model.structure, model.params, pools, ints(rows, 1), jnp.ones((rows,), jnp.int32),
+    text = _step.lower(model.structure, 1, model.params, pools, ints(rows, 1), jnp.ones((rows,), jnp.int32),
                        ints(rows), ints(rows) + 1, ints(rows, 4), None).compile().as_text()
     assert not [b for b in materialised_buffers(text) if b.bytes >= slot_pool_bytes]
 

@@ -66,7 +66,8 @@ def check_outputs(referee, prompts, outputs):
 def assert_pool_full(engine):
     engine.reset_prefix_cache()  # cached pages and snapshots nobody uses go back too
     layout = engine.layout
-    assert engine.allocator.free_pages == layout.num_pages - 1 and engine.allocator.free_slots == layout.num_slots - 1
+    assert engine.allocator.free_pages == layout.num_pages - layout.groups
+    assert engine.allocator.free_slots == layout.num_slots - layout.groups
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["no-prefix-cache", "prefix-cache"])
@@ -196,20 +197,49 @@ def steady_batch(engine) -> int:
     return engine.num_steps_ahead - before
 
 
-def test_mesh_with_data_groups_matches_each_run_alone(model, referee):
-    """--mesh 2x2 (model 2 x data 2): rows split over data (every row count a multiple of 2), heads
-    over model, the pools held whole by each data group. Chunked prefills beside decodes give the
-    one-device reference's tokens and logprobs, and nothing compiles after warm-up (the pools keep
-    their shardings)."""
-    sharded = K3Model(model.config, model.graphdef, model.params, make_mesh("2x2"))
-    engine = Engine(sharded, EngineOptions(max_model_len=96, max_num_seqs=2, max_num_batched_tokens=24,
-                                           max_prefill_chunk=16, max_prefill_rows=2, block_size=4))
-    assert engine.decode_rows == engine.prefill_rows == (2,)
+@pytest.mark.parametrize("mesh", ["2x2", "8x2"])
+def test_dp_attention_keeps_each_request_in_its_data_group(model, referee, mesh):
+    """DP attention, --mesh 2x2 and 8x2 (model x data 2): rows split over data, heads over model, and
+    the pools split over data too: each device holds half the pages and slots, each request's pages
+    and slot lie in one data group's block, and both groups serve requests. Chunked prefills beside
+    decodes, prefix-cache hits (a prompt that extends an earlier one joins the group that cached it)
+    and preemptions inside a group give the one-device reference's tokens and logprobs, and nothing
+    compiles after warm-up (the pools keep their shardings)."""
+    sharded = K3Model(model.config, model.graphdef, model.params, make_mesh(mesh))
+    engine = Engine(sharded, EngineOptions(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=24,
+                                           max_prefill_chunk=16, max_prefill_rows=2, block_size=4,
+                                           num_gpu_blocks=26, enable_prefix_caching=True))
+    layout, allocator = engine.layout, engine.allocator
+    assert (layout.groups, layout.num_pages, layout.num_slots) == (2, 52, 2 * (2 + 2 + 1))
+    assert engine.decode_rows == (2, 4) and engine.prefill_rows == (2,)
+    for leaf in jax.tree.leaves(engine.runner.pools):
+        if leaf.ndim:  # pages or slots first: each device holds its group's half
+            assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // 2, leaf.shape
     engine.warmup()
-    prompts, max_tokens = workload(6, 6)
+    groups_used = set()
+
+    def run(prompts, max_tokens):
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1))
+               for p, n in zip(prompts, max_tokens)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+            for r in engine.scheduler.running:
+                assert {allocator.group_of_page(p) for p in r.pages} <= {r.group} == {allocator.group_of_slot(r.slot)}
+                groups_used.add(r.group)
+        return [done[i] for i in ids]
+
+    prompts, max_tokens = workload(6, 8, lengths=(40, 70), max_tokens=(8, 16))
     with CountCompiles() as compiles:
-        outputs = generate(engine, prompts, max_tokens)
+        outputs = run(prompts, max_tokens)
+        prompts.append(prompts[-1][:30])
+        outputs += run(prompts[-1:], [4])
+        prompts.append(prompts[-1] + [1, 2, 3])  # resumes from the snapshot the previous one left, in its group
+        outputs += run(prompts[-1:], [4])
     assert compiles.count == 0
+    assert groups_used == {0, 1}
+    assert engine.scheduler.num_preemptions > 0
+    assert outputs[-1].num_cached_tokens == 28
     check_outputs(referee, prompts, outputs)
     assert_pool_full(engine)
 

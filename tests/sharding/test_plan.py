@@ -19,6 +19,8 @@ def test_kimi_k3_on_8x2():
     # one 1M-token sequence per data shard needs its KDA state plus 1M tokens of MLA cache
     per_1m = p["kda_state_MiB_per_sequence"] * 2**20 + p["mla_cache_MiB_per_1k_tokens"] * 2**20 * 1024
     assert p["concurrent_1M"] == int(p["free_GiB"] * 2**30 // per_1m) * 2
+    # without DP attention each of the 2 data groups would hold every sequence: half as many fit
+    assert p["concurrent_1M_without_dp_attention"] == p["concurrent_1M"] // 2
     assert p["concurrent_8K"] > p["concurrent_128K"] > p["concurrent_1M"] > 0
 
 
