@@ -36,6 +36,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ValueError(f"--process-id {process_id} is outside 0..{num_processes - 1}")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id, initialization_timeout=timeout_s)
+    # No Python stack frames in the programs' source locations: every process must compile the same HLO
+    # for a program that spans processes, and by default JAX records in each op's metadata the Python
+    # call stack it was traced under, which differs between processes that enter the same program
+    # from different code (the serving leader's Runner.run and announce, a follower's Runner.follow
+    # and receive). With jax 0.12.1 on CPU (gloo), two processes whose programs differ only in those
+    # frames wait forever in their first all-reduce (0.12.0 ran them). Locations keep the op names
+    # (the jit and named-scope stack); only the frames go.
+    jax.config.update("jax_traceback_in_locations_limit", 0)
     return True
 
 

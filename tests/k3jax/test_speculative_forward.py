@@ -81,12 +81,21 @@ def test_commit_after_a_verify_window_equals_decoding_the_accepted_tokens(model)
             # the window's MLA runs the naive form, a decode the absorbed one: reassociation, ~1e-6 per layer
             np.testing.assert_allclose(np.asarray(logits[i, j]), np.asarray(step_logits[0, 0]), rtol=1e-4,
                                        atol=1e-4, err_msg=f"row {i} window position {j}")
-    # The layers' inputs carry the MLA reassociation above, so the states agree to that level here
-    # (measured max 1.6e-5); given equal layer inputs they agree to fp32 rounding (the next test).
+    # The layers' inputs carry the MLA reassociation above (relative eps_in ~1e-6 per layer, compounding
+    # over the layers: the logits differ by up to 4e-5), so the states agree to that level here; given
+    # equal layer inputs they agree to fp32 rounding (the next test). A KDA step S <- (I - b k k^T) diag(a) S
+    # + b k v^T passes its inputs' relative error to S normwise: ||k|| = 1 (l2-normed), 0 <= a, b <= 1, so
+    # the transition does not grow S, and each of the window's t <= 6 tokens adds about 3 eps_in ||S|| (k
+    # twice, v once): ||dS|| <~ 20 eps_in ||S|| per head. Not entry by entry: an entry that cancels larger
+    # terms (layer 6's S[4, 4, 3] = 0.145 in a head of norm 2.2) carries the head's absolute error, and which
+    # entry that is depends on XLA:CPU's rounding (jax 0.12.0: 1.7e-5 there, 0.12.1: 4.9e-5, past an
+    # entrywise 3e-5 + 1e-4 relative). So each head is compared by norm, at the logits' 1e-4 (measured
+    # 1.3e-5 on 0.12.0, 3.5e-5 on 0.12.1).
     for got, want in zip(committed, _kda_pools(decoded)):
         for slot in (1, 2):
-            np.testing.assert_allclose(np.asarray(got.state[slot]), np.asarray(want.state[slot]),
-                                       rtol=1e-4, atol=3e-5)
+            got_s, want_s = np.asarray(got.state[slot]), np.asarray(want.state[slot])  # [H, K, V]
+            error = np.linalg.norm(got_s - want_s, axis=(1, 2)) / np.linalg.norm(want_s, axis=(1, 2))
+            assert error.max() < 1e-4, f"slot {slot}: the heads' states differ by {error} of their norms"
             np.testing.assert_allclose(np.asarray(got.conv[slot]), np.asarray(want.conv[slot]),
                                        rtol=1e-4, atol=1e-4)
 
