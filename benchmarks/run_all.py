@@ -32,6 +32,7 @@ BENCHMARKS = (
     "image_prefill",
     "kda_chunked_vs_recurrent",
     "sequence_parallel_prefill",
+    "long_context",
     "session_retention",
     "kv_offload",
     "decode_compile_time",
