@@ -135,8 +135,6 @@ class Engine:
         if speculator is not None and options.kv_offload_bytes:  # the draft's own pages would not come back
             raise ValueError("kv_offload_bytes: not with speculative decoding")
         groups = data_size(model.mesh)  # DP attention: one block of the pools per data group (serve/runner.py)
-        if speculator is not None and groups > 1:  # the draft's pages and its rows are not split by group yet
-            raise ValueError(f"speculative decoding: not yet on a mesh with data > 1 (this one has data={groups})")
         self.speculator = speculator
         self.stats_counters = speculation.SpecStats(speculator.num_speculative_tokens if speculator else 0)
         kv_bytes = jnp.dtype(kv_dtype).itemsize
@@ -385,7 +383,7 @@ class Engine:
         logits, taps = self.runner.run([(new, r.computed, r.slot, r.pages) for new, r in rows], num_rows, num_tokens,
                                        positions=positions, embeds=embeds)
         if self.speculator is not None:  # the draft reads the target's hidden states of these tokens
-            self.speculator.observe([(r, r.computed, len(new)) for new, r in rows], taps)
+            self.speculator.observe([(r, r.computed, len(new)) for new, r in rows], taps, positions=positions)
         for new, request in rows:
             request.computed += len(new)
         self._register(r for _, r in rows)

@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from k3jax.decoder import PagedState, TapSpec, init_pools
+from k3jax.layers.common import per_group
 from k3jax.layers.kda import KDACache, commit_record
 from k3jax.model import K3Model
 from k3jax.placement import pool_shardings, put
@@ -70,6 +71,22 @@ def place(groups: list[int], num_groups: int, sizes: tuple[int, ...]) -> tuple[l
     return positions, num_rows
 
 
+def request_order(positions: list[int], num_rows: int) -> np.ndarray:
+    """int32 [num_rows]: the row of each request in `place`'s order, then the padding rows: what
+    gathers a placed step's outputs back into request order."""
+    taken = set(positions)
+    return np.asarray([*positions, *(i for i in range(num_rows) if i not in taken)], np.int32)
+
+
+def placed(values: np.ndarray, positions: list[int] | None) -> np.ndarray:
+    """values [num_rows, ...] in request order (padding after) moved to the rows `place` gave."""
+    if positions is None:
+        return values
+    out = np.zeros_like(values)
+    out[np.asarray(positions, np.int64)] = values[:len(positions)]
+    return out
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 9), donate_argnums=3)
 def _step(structure, groups, params, pools, tokens, lengths, offsets, slots, page_table, taps, embeds=None):
     """Last-token logits [rows, V], the pools, and the tapped hidden states [rows, T, F] (or None).
@@ -83,19 +100,25 @@ def _step(structure, groups, params, pools, tokens, lengths, offsets, slots, pag
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 9), donate_argnums=3)
-def _verify(structure, groups, params, pools, tokens, lengths, offsets, slots, page_table, taps):
+def _verify(structure, groups, params, pools, tokens, lengths, offsets, slots, page_table, taps, order=None):
     """A speculative window per row: logits of every position [rows, W, V], the pools (MLA rows
-    written for the whole window, KDA slots untouched), the taps and the KDA records."""
+    written for the whole window, KDA slots untouched), the taps and the KDA records. order
+    (`request_order`, with DP attention's groups): the logits and taps come back in request order,
+    the records stay placed, as `_commit` takes them."""
     tokens = tokens.reshape(lengths.shape[0], -1)  # [rows] when the window is one token (as in `_step`)
     out = structure.merge(params).verify(tokens, lengths, PagedState(pools, offsets, slots, page_table, groups),
                                          taps=taps)
-    return out.logits, out.state.layers, out.taps, out.records
+    logits, tapped = out.logits, out.taps
+    if order is not None:
+        logits, tapped = logits[order], None if tapped is None else tapped[order]
+    return logits, out.state.layers, tapped, out.records
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _commit(pools, records, slots, accepted, targets):
-    """Folds the first accepted[n] window tokens of each row's slot into slot targets[n] (every KDA layer)."""
-    return tuple(pool if record is None else commit_record(pool, record, slots, accepted, targets)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _commit(groups, pools, records, slots, accepted, targets):
+    """Folds the first accepted[n] window tokens of each row's slot into slot targets[n] (every KDA
+    layer; DP attention's groups as in `_step`, the ids local to the row's block)."""
+    return tuple(pool if record is None else per_group(commit_record, groups, pool, record, slots, accepted, targets)
                  for pool, record in zip(pools, records))
 
 
@@ -176,7 +199,7 @@ class Runner:
         return self._run(arrays)
 
     def _run(self, arrays):
-        logits, self.pools, taps = self._call(_step, arrays[:5], embeds=arrays[5:])
+        logits, self.pools, taps = self._call(_step, arrays[:5], extra=(tuple(arrays[5:]),) if arrays[5:] else ())
         return self._local(logits), taps
 
     def _override(self, embeds, num_tokens: int) -> tuple:
@@ -194,19 +217,20 @@ class Runner:
         compiled = self._call(_step, arrays, pools=self._pool_specs, compile_only=True)
         if self.embed_width is not None and num_tokens > 1:  # the same step with images
             embeds = (np.zeros((num_rows, num_tokens, self.embed_width), np.float32), np.zeros((num_rows, num_tokens), bool))
-            self._call(_step, arrays, embeds=embeds, pools=self._pool_specs, compile_only=True)
+            self._call(_step, arrays, extra=(embeds,), pools=self._pool_specs, compile_only=True)
         return self._logits_spec(compiled), output_spec(compiled, 2)
 
     def compile_verify(self, num_rows: int, window: int):
         """`compile` for `verify`: what its logits, taps and KDA records will be."""
-        compiled = self._call(_verify, self._arrays([], num_rows, window), pools=self._pool_specs, compile_only=True)
+        compiled = self._call(_verify, self._verify_arrays([], num_rows, window, None), pools=self._pool_specs,
+                              compile_only=True)
         return self._logits_spec(compiled), output_spec(compiled, 2), output_spec(compiled, 3)
 
     def compile_commit(self, records, num_rows: int) -> None:
         """`compile` for `commit` of `records` (as `compile_verify` says they will be) over num_rows rows."""
         slots = multihost.replicated(np.zeros(num_rows, np.int32), self.model.mesh)
         with self._mesh():
-            _commit.lower(self._pool_specs, records, slots, slots, slots).compile()
+            _commit.lower(self.layout.groups, self._pool_specs, records, slots, slots, slots).compile()
 
     def _logits_spec(self, compiled) -> jax.ShapeDtypeStruct:
         logits = compiled.out_info[0]
@@ -214,22 +238,36 @@ class Runner:
         sharding = SingleDeviceSharding(jax.local_devices()[0]) if self.spans_processes else compiled.output_shardings[0]
         return jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
 
-    def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int):
+    def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int,
+               positions: list[int] | None = None):
         """Like `run` over speculative windows (the last token, then the drafts), without touching the
-        KDA slots. Returns (logits [num_rows, window, vocab], taps or None, KDA records for `commit`)."""
-        arrays = self._arrays(rows, num_rows, window)
+        KDA slots; rows at `positions` (`place`'s). Returns (logits [num_rows, window, vocab] and taps
+        or None, both in request order, and the KDA records for `commit`)."""
+        arrays = self._verify_arrays(rows, num_rows, window, positions)
         if self.spans_processes:
             multihost.announce(multihost.VERIFY, *arrays)
         return self._verify(arrays)
 
+    def _verify_arrays(self, rows, num_rows: int, window: int, positions: list[int] | None) -> tuple:
+        """The step's arrays, and with DP attention's groups the order that brings its outputs back."""
+        arrays = self._arrays(rows, num_rows, window, positions)
+        if self.layout.groups == 1:
+            return arrays
+        return (*arrays, request_order(list(range(len(rows))) if positions is None else positions, num_rows))
+
     def _verify(self, arrays):
-        logits, self.pools, taps, records = self._call(_verify, arrays)
+        logits, self.pools, taps, records = self._call(_verify, arrays[:5], extra=arrays[5:])
         return self._local(logits), taps, records
 
-    def commit(self, records, slots: np.ndarray, accepted: np.ndarray, targets: np.ndarray | None = None) -> None:
+    def commit(self, records, slots: np.ndarray, accepted: np.ndarray, targets: np.ndarray | None = None,
+               positions: list[int] | None = None) -> None:
         """After `verify`: each row's KDA slot (or targets[n]) gets the state after its first accepted[n]
-        window tokens."""
-        arrays = (slots, np.asarray(accepted, np.int32), slots if targets is None else targets)
+        window tokens. The arrays are in request order (num_rows long), the verify's rows at `positions`."""
+        targets = slots if targets is None else targets
+        layout = self.layout
+        arrays = (placed(np.asarray(slots) % layout.slots_per_group, positions),
+                  placed(np.asarray(accepted, np.int32), positions),
+                  placed(np.asarray(targets) % layout.slots_per_group, positions))
         if self.spans_processes:
             multihost.announce(multihost.COMMIT, *arrays)
         self._commit(records, *arrays)
@@ -237,7 +275,7 @@ class Runner:
     def _commit(self, records, slots, accepted, targets) -> None:
         slots, accepted, targets = (multihost.replicated(a, self.model.mesh) for a in (slots, accepted, targets))
         with self._mesh():
-            self.pools = _commit(self.pools, records, slots, accepted, targets)
+            self.pools = _commit(self.layout.groups, self.pools, records, slots, accepted, targets)
 
     def _arrays(self, rows, num_rows: int, num_tokens: int, positions: list[int] | None = None):
         """The step's arrays; slot and page ids local to their group's block (the same ids with one group)."""
@@ -331,12 +369,13 @@ class Runner:
     def _mesh(self):
         return jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext()
 
-    def _call(self, fn, arrays, *, embeds=(), pools=None, compile_only: bool = False):
-        """fn(structure, groups, params, pools, *arrays, taps[, embeds]): arrays and embeds placed by rows."""
+    def _call(self, fn, arrays, *, extra=(), pools=None, compile_only: bool = False):
+        """fn(structure, groups, params, pools, *arrays, taps, *extra), every array placed by rows. extra:
+        `_step`'s embeddings override (a (values, mask) tuple) or `_verify`'s order."""
         args = (self.model.structure, self.layout.groups, self.model.param_leaves,
                 self.pools if pools is None else pools, *self._put_rows(arrays), self.taps)
-        if embeds:
-            args += (tuple(self._put_rows(embeds)),)
+        args += tuple(tuple(self._put_rows(x)) if isinstance(x, tuple) else tuple(self._put_rows([x]))[0]
+                      for x in extra)
         with self._mesh():
             return fn.lower(*args).compile() if compile_only else fn(*args)
 

@@ -28,7 +28,7 @@ from k3jax.loading import embedded_dir
 from serve import sampling
 from serve.dspark import rejection
 from serve.dspark.speculator import DSparkSpeculator
-from serve.runner import bucket
+from serve.runner import bucket, place
 from serve.scheduler import Request, Status
 from serve.step_sampler import penalty_inputs
 
@@ -113,11 +113,12 @@ def verify_step(engine, requests) -> list:
     its KDA state; returns the requests (for their outputs)."""
     spec = engine.speculator
     k = spec.num_speculative_tokens
-    num_rows = bucket(len(requests), engine.decode_rows)
+    # DP attention: the windows run in their groups' rows; logits and taps come back in request order
+    positions, num_rows = place([r.group for r in requests], engine.layout.groups, engine.decode_rows)
     for request in requests:  # a window ends before the first draft the request's grammar rejects
         request.drafts = request.drafts[:engine.grammars.valid_drafts(request.id, request.drafts)]
     logits, taps, records = engine.runner.verify(
-        [([r.tokens[-1], *r.drafts], r.computed, r.slot, r.pages) for r in requests], num_rows, k + 1)
+        [([r.tokens[-1], *r.drafts], r.computed, r.slot, r.pages) for r in requests], num_rows, k + 1, positions)
     drafts = np.zeros((num_rows, k), np.int32)
     num_drafts = np.zeros(num_rows, np.int32)
     slots = np.zeros(num_rows, np.int32)
@@ -127,8 +128,8 @@ def verify_step(engine, requests) -> list:
     result = _accept(engine, requests, num_rows, logits, drafts, num_drafts)
     num_accepted = np.asarray(result.num_accepted)
     window_tokens = num_accepted + 1  # the last token and the accepted drafts are now in the state
-    inside = _snapshots_inside(engine, requests, records, slots, window_tokens)
-    engine.runner.commit(records, slots, window_tokens)
+    inside = _snapshots_inside(engine, requests, records, slots, window_tokens, positions)
+    engine.runner.commit(records, slots, window_tokens, positions=positions)
     spec.observe([(r, r.computed, 1 + len(r.drafts)) for r in requests], taps, window_tokens)
     tokens = np.asarray(result.tokens)
     engine.stats_counters.record(num_drafts[:len(requests)], num_accepted[:len(requests)])
@@ -146,7 +147,7 @@ def verify_step(engine, requests) -> list:
     return list(requests)
 
 
-def _snapshots_inside(engine, requests, records, slots, window_tokens) -> list:
+def _snapshots_inside(engine, requests, records, slots, window_tokens, positions) -> list:
     """Plain decoding reaches every page boundary, and the prefix cache snapshots the KDA state there
     (Scheduler.register); a window passes boundaries without stopping. For each boundary a window
     passes (not one it ends on: register sees that), the state there is committed from the record
@@ -165,7 +166,7 @@ def _snapshots_inside(engine, requests, records, slots, window_tokens) -> list:
             if j < len(boundaries[i]) and (slot := engine.allocator.allocate_slot(request.group)) is not None:
                 inside.append((request, boundaries[i][j], slot))
                 targets[i], accepted[i] = slot, boundaries[i][j] - request.computed
-        engine.runner.commit(records, slots, accepted, targets)
+        engine.runner.commit(records, slots, accepted, targets, positions)
     return inside
 
 

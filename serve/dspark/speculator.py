@@ -58,7 +58,7 @@ class ScriptedSpeculator:
     def compile(self, taps, num_rows: int | None = None) -> None:
         pass
 
-    def observe(self, rows, taps, accepted=None) -> None:
+    def observe(self, rows, taps, accepted=None, positions=None) -> None:
         pass
 
     def propose(self, requests, num_rows: int) -> tuple[np.ndarray, None]:
@@ -121,17 +121,20 @@ class DSparkSpeculator:
             else jax.local_devices()[0])
         self._page_specs = array_specs(self.pages)  # what `compile` lowers against
 
-    def observe(self, rows, taps, accepted=None) -> None:
+    def observe(self, rows, taps, accepted=None, positions=None) -> None:
         """rows: (request, position of its first token here, tokens) over the first rows of taps
-        [N, T, F]; `accepted` (int32 [N]) further limits each row to its accepted tokens."""
+        [N, T, F], or its rows `positions` (serve.runner.place); `accepted` (int32 [N]) further limits
+        each row to its accepted tokens. The draft's pages are whole on every device: its steps use the
+        pages' global ids, whatever data group the target's rows run in."""
         num_rows = taps.shape[0]
         counts = np.zeros(num_rows, np.int32)
         offsets = np.zeros(num_rows, np.int32)
-        for i, (_, offset, count) in enumerate(rows):
+        index = range(len(rows)) if positions is None else positions
+        for i, (_, offset, count) in zip(index, rows):
             counts[i], offsets[i] = count, offset
         if accepted is not None:
             counts = np.minimum(counts, np.asarray(accepted, np.int32))
-        arrays = (counts, offsets, self._table([r for r, _, _ in rows], num_rows))
+        arrays = (counts, offsets, self._table([r for r, _, _ in rows], num_rows, index))
         if self.spans_processes:
             multihost.announce(multihost.OBSERVE, *arrays)
         self._observe(taps, *arrays)
@@ -200,9 +203,9 @@ class DSparkSpeculator:
         if num_rows is not None:
             self._propose(*self._propose_arrays([], num_rows), compile_only=True)
 
-    def _table(self, requests, num_rows: int) -> np.ndarray:
+    def _table(self, requests, num_rows: int, index=None) -> np.ndarray:
         table = np.zeros((num_rows, self.page_table_width), np.int32)
-        for i, request in enumerate(requests):
+        for i, request in zip(range(len(requests)) if index is None else index, requests):
             table[i, :len(request.pages)] = request.pages
         return table
 

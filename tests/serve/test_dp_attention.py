@@ -1,15 +1,16 @@
 """DP attention's host side (serve/cache.py, serve/scheduler.py, serve/prefix_cache.py,
 serve.runner.place): each data group's block of pages and slots, which group a request joins, and
 where its row goes in a step. tests/serve/test_engine.py runs the engine so on 2x2 and 8x2 meshes
-against the one-device reference."""
+against the one-device reference, tests/serve/dspark/test_engine_dspark.py a speculative one on 2x2."""
 
+import numpy as np
 import pytest
 
 from k3jax.config import K3Config
 from serve.cache import CacheAllocator, CacheLayout, engine_layout
 from serve.engine import EngineOptions
 from serve.prefix_cache import PrefixCache
-from serve.runner import place
+from serve.runner import place, placed, request_order
 from serve.sampling import SamplingParams
 from serve.scheduler import Request, Scheduler, Status
 
@@ -114,13 +115,12 @@ def test_rows_are_placed_in_their_groups_blocks():
     assert place([1, 0, 1, 1], 2, (2, 4, 8)) == ([4, 0, 5, 6], 8)  # group 1's three rows need blocks of 4
     assert place([0, 1], 2, (2, 4)) == ([0, 1], 2)
     assert place([], 2, (2, 4)) == ([], 2)
+    # a verify step's outputs back in request order, and request-ordered arrays out to the placed rows
+    positions = [4, 0, 5, 6]
+    order = request_order(positions, 8)
+    assert order.tolist() == [4, 0, 5, 6, 1, 2, 3, 7]
+    rows = np.arange(8) * 10  # a placed step's output per row
+    assert rows[order][:4].tolist() == [40, 0, 50, 60]
+    assert placed(np.array([1, 2, 3, 4, 0, 0, 0, 0]), positions).tolist() == [2, 0, 0, 0, 1, 3, 4, 0]
+    assert placed(np.array([7, 8]), None).tolist() == [7, 8]
 
-
-@pytest.mark.isa_invariant
-def test_speculation_on_a_mesh_with_data_groups_is_refused_by_name():
-    from k3jax.model import K3Model
-    from serve.engine import Engine
-
-    model = K3Model.random(K3Config.from_preset("k3-tiny"), dtype="float32", seed=0, mesh="1x2")
-    with pytest.raises(ValueError, match="speculative decoding: not yet on a mesh with data > 1"):
-        Engine(model, EngineOptions(max_model_len=64), speculator=object())

@@ -36,11 +36,11 @@ def draft_dir(tmp_path_factory):
     return str(directory)
 
 
-def make_engine(model, draft_dir):  # noqa: F811
+def make_engine(model, draft_dir, **options):  # noqa: F811
     return Engine(model, EngineOptions(
         max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=40, max_prefill_chunk=16, max_prefill_rows=2,
         block_size=PAGE_SIZE, num_gpu_blocks=80, enable_prefix_caching=True,
-        speculative_config={"method": "dspark", "model": draft_dir, "num_speculative_tokens": K}))
+        speculative_config={"method": "dspark", "model": draft_dir, "num_speculative_tokens": K}, **options))
 
 
 def one_shot_drafts(model, spec, tokens, computed, num_tokens, flips=()):  # noqa: F811
@@ -77,6 +77,34 @@ def engine(model, draft_dir):  # noqa: F811
 
 
 def test_incremental_draft_context_equals_one_shot_and_output_equals_plain_greedy(model, engine, referee):  # noqa: F811
+    check_drafts_and_outputs(model, engine, referee)
+
+
+def test_on_a_mesh_with_data_groups_the_draft_follows_each_row(model, draft_dir, referee, monkeypatch):  # noqa: F811
+    """DP attention (2x2: each data group's requests in its own rows and pool blocks): the verify
+    windows' logits and taps come back in request order and the KDA commits land in each row's own
+    block, and the draft (its pages whole on every device) reads each prefill row's taps where the
+    step placed it: the same checks as on one device, with windows of both groups in one step."""
+    from k3jax.model import K3Model
+    from serve.dspark import speculation
+    from sharding.mesh import make_mesh
+
+    sharded = K3Model(model.config, model.graphdef, model.params, make_mesh("2x2"))
+    # each group keeps the snapshots one device's engine keeps (the windows take one at every page boundary)
+    engine = make_engine(sharded, draft_dir, num_snapshot_slots=8)
+    assert engine.layout.groups == 2
+    verify_step, groups = speculation.verify_step, []
+
+    def recording(engine, requests):
+        groups.append(sorted(r.group for r in requests))
+        return verify_step(engine, requests)
+
+    monkeypatch.setattr(speculation, "verify_step", recording)
+    check_drafts_and_outputs(model, engine, referee)
+    assert [0, 0, 1, 1] in groups or [0, 1, 1] in groups or [0, 0, 1] in groups
+
+
+def check_drafts_and_outputs(model, engine, referee):  # noqa: F811
     spec = engine.speculator
     proposals = []
     propose = spec.propose
