@@ -84,6 +84,16 @@ def engine_layout(cfg: K3Config, options, dtype_bytes: int, kv_bytes: int, draft
     return CacheLayout(options.block_size, pages * groups, slots * groups, groups)
 
 
+def describe(layout: CacheLayout, *, page_bytes: int, slot_bytes: int, max_model_len: int) -> str:
+    """The memory plan of the pools in a line (`python -m k3jax.serve` logs it before allocating them)."""
+    pages, slots = layout.pages_per_group - 1, layout.slots_per_group - 1  # without the null ones
+    full = math.ceil(max_model_len / layout.page_size)
+    mib = 2 ** 20
+    return (f"{pages} MLA pages of {layout.page_size} tokens ({pages * page_bytes / mib:.1f} MiB) and {slots} KDA "
+            f"slots ({slots * slot_bytes / mib:.1f} MiB) per data group, {layout.groups} group(s): "
+            f"{pages // full * layout.groups} requests of max_model_len={max_model_len} fit at once")
+
+
 def page_bytes(cfg: K3Config, page_size: int, kv_cache_dtype_bytes: int) -> int:
     """Bytes of one page over every MLA layer."""
     return cfg.layer_types.count(MLA) * page_size * cfg.mla_cache_width * kv_cache_dtype_bytes

@@ -28,7 +28,7 @@ from serve.detokenizer import OutputText
 from serve.dspark import speculation
 from serve.encoder_cache import DEFAULT_BUDGET_BYTES, EncoderCache
 from serve.multimodal import MultimodalPrompt
-from serve.cache import CacheAllocator, engine_layout, page_bytes, slot_bytes
+from serve.cache import CacheAllocator, describe, engine_layout, page_bytes, slot_bytes
 from serve.disagg.handoff import Handoff, PrefillOnly, Prefilled, check_handoff, pool_specs
 from serve.kv_offload import KVOffload
 from serve.prefix_cache import PrefixCache
@@ -140,13 +140,14 @@ class Engine:
         kv_bytes = jnp.dtype(kv_dtype).itemsize
         draft_page_bytes = speculator.page_bytes(options.block_size) if speculator else 0
         self.layout = engine_layout(cfg, options, jnp.dtype(model.dtype).itemsize, kv_bytes, draft_page_bytes, groups)
+        sizes = dict(page_bytes=page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes,
+                     slot_bytes=slot_bytes(cfg, jnp.dtype(model.dtype).itemsize))
+        logger.info("cache: %s", describe(self.layout, max_model_len=options.max_model_len, **sizes))
         self.prefix_cache = PrefixCache(options.block_size) if options.enable_prefix_caching else None
         self.offload = KVOffload(options.kv_offload_bytes) if options.kv_offload_bytes else None
         self.allocator = CacheAllocator(self.layout, self.prefix_cache, self.offload)
         self.sessions = None if self.prefix_cache is None else SessionPins.for_cache(
-            self.prefix_cache, self.layout, options,
-            page_bytes=page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes,
-            slot_bytes=slot_bytes(cfg, jnp.dtype(model.dtype).itemsize))
+            self.prefix_cache, self.layout, options, **sizes)
         # With a vision tower, prefill steps carry the images' embeddings (serve/runner.py)
         self.images = EncoderCache(model.vision, options.mm_encoder_cache_bytes) if model.vision is not None else None
         self.scheduler = Scheduler(self.allocator, max_num_seqs=options.max_num_seqs,

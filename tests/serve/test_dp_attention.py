@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax.config import K3Config
-from serve.cache import CacheAllocator, CacheLayout, engine_layout
+from serve.cache import CacheAllocator, CacheLayout, describe, engine_layout
 from serve.engine import EngineOptions
 from serve.prefix_cache import PrefixCache
 from serve.runner import place, placed, request_order
@@ -52,6 +52,10 @@ def test_layout_gives_each_group_its_share_with_a_null_page_and_slot():
     # 3 requests and 3 snapshots a group (5 rounded up), each group with its own null page and slot
     assert (two.slots_per_group, two.pages_per_group, two.groups) == (3 + 3 + 1, 3 * 16 + 1, 2)
     assert (two.num_slots, two.num_pages) == (14, 98)
+    # the plan the server logs: 48 usable pages a group hold 3 requests of 16 pages
+    assert describe(two, page_bytes=2**20, slot_bytes=2**19, max_model_len=64) == (
+        "48 MLA pages of 4 tokens (48.0 MiB) and 6 KDA slots (3.0 MiB) per data group, 2 group(s): "
+        "6 requests of max_model_len=64 fit at once")
 
     allocator = CacheAllocator(two)
     pages = allocator.allocate_pages(48, group=1)

@@ -84,7 +84,8 @@ def test_on_a_mesh_with_data_groups_the_draft_follows_each_row(model, draft_dir,
     """DP attention (2x2: each data group's requests in its own rows and pool blocks): the verify
     windows' logits and taps come back in request order and the KDA commits land in each row's own
     block, and the draft (its pages whole on every device) reads each prefill row's taps where the
-    step placed it: the same checks as on one device, with windows of both groups in one step."""
+    step placed it: the same checks as on one device, with windows of both groups in one step, each
+    request's pages and slot in its own group's block."""
     from k3jax.model import K3Model
     from serve.dspark import speculation
     from sharding.mesh import make_mesh
@@ -96,6 +97,9 @@ def test_on_a_mesh_with_data_groups_the_draft_follows_each_row(model, draft_dir,
     verify_step, groups = speculation.verify_step, []
 
     def recording(engine, requests):
+        allocator = engine.allocator
+        for r in requests:
+            assert {allocator.group_of_page(p) for p in r.pages} == {r.group} == {allocator.group_of_slot(r.slot)}
         groups.append(sorted(r.group for r in requests))
         return verify_step(engine, requests)
 
