@@ -162,8 +162,8 @@ class Engine:
                              embed_width=cfg.hidden_size if self.images is not None else None, offload=self.offload)
         if speculator is not None:
             speculator.bind(self.runner, options.seed)
-        self.decode_rows = buckets(options.max_num_seqs, smallest=self.runner.num_data)
-        self.prefill_rows = buckets(options.max_prefill_rows, smallest=self.runner.num_data)
+        self.decode_rows = buckets(options.max_num_seqs, smallest=groups)  # rows split over data: multiples of it
+        self.prefill_rows = buckets(options.max_prefill_rows, smallest=groups)
         chunk = self.scheduler.max_prefill_chunk  # a runner takes images in steps of 2 tokens or more:
         self.prefill_tokens = buckets(chunk, smallest=max(min(16, chunk), 1 if self.images is None else 2))
         if options.batch_invariant:  # the largest bucket only: every step runs the same programs

@@ -100,17 +100,17 @@ def _step(structure, groups, params, pools, tokens, lengths, offsets, slots, pag
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 9), donate_argnums=3)
-def _verify(structure, groups, params, pools, tokens, lengths, offsets, slots, page_table, taps, order=None):
+def _verify(structure, groups, params, pools, tokens, lengths, offsets, slots, page_table, taps, order=()):
     """A speculative window per row: logits of every position [rows, W, V], the pools (MLA rows
-    written for the whole window, KDA slots untouched), the taps and the KDA records. order
-    (`request_order`, with DP attention's groups): the logits and taps come back in request order,
-    the records stay placed, as `_commit` takes them."""
+    written for the whole window, KDA slots untouched), the taps and the KDA records. order: (), or
+    with DP attention's groups (`request_order`'s array,): the logits and taps come back in request
+    order, the records stay placed, as `_commit` takes them."""
     tokens = tokens.reshape(lengths.shape[0], -1)  # [rows] when the window is one token (as in `_step`)
     out = structure.merge(params).verify(tokens, lengths, PagedState(pools, offsets, slots, page_table, groups),
                                          taps=taps)
     logits, tapped = out.logits, out.taps
-    if order is not None:
-        logits, tapped = logits[order], None if tapped is None else tapped[order]
+    if order:
+        logits, tapped = logits[order[0]], None if tapped is None else tapped[order[0]]
     return logits, out.state.layers, tapped, out.records
 
 
@@ -171,7 +171,6 @@ class Runner:
         # Where arrays written into the pools (host-tier restores, a PD handoff) go first: whole on each device.
         self._whole = SingleDeviceSharding(jax.local_devices()[0]) if model.mesh is None \
             else NamedSharding(model.mesh, PartitionSpec())
-        self.num_data = data_size(model.mesh)
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int, *,
             positions: list[int] | None = None, device_tokens: jax.Array | None = None,
@@ -199,7 +198,7 @@ class Runner:
         return self._run(arrays)
 
     def _run(self, arrays):
-        logits, self.pools, taps = self._call(_step, arrays[:5], extra=(tuple(arrays[5:]),) if arrays[5:] else ())
+        logits, self.pools, taps = self._call(_step, arrays[:5], extra=arrays[5:])
         return self._local(logits), taps
 
     def _override(self, embeds, num_tokens: int) -> tuple:
@@ -217,7 +216,7 @@ class Runner:
         compiled = self._call(_step, arrays, pools=self._pool_specs, compile_only=True)
         if self.embed_width is not None and num_tokens > 1:  # the same step with images
             embeds = (np.zeros((num_rows, num_tokens, self.embed_width), np.float32), np.zeros((num_rows, num_tokens), bool))
-            self._call(_step, arrays, extra=(embeds,), pools=self._pool_specs, compile_only=True)
+            self._call(_step, arrays, extra=embeds, pools=self._pool_specs, compile_only=True)
         return self._logits_spec(compiled), output_spec(compiled, 2)
 
     def compile_verify(self, num_rows: int, window: int):
@@ -284,11 +283,13 @@ class Runner:
         offsets = np.zeros(num_rows, np.int32)
         slots = np.zeros(num_rows, np.int32)
         table = np.zeros((num_rows, self.page_table_width), np.int32)
-        layout = self.layout
         for i, (new, cached, slot, pages) in zip(range(len(rows)) if positions is None else positions, rows):
             tokens[i, :len(new)] = new
-            lengths[i], offsets[i], slots[i] = len(new), cached, slot % layout.slots_per_group
-            table[i, :len(pages)] = np.asarray(pages, np.int64) % layout.pages_per_group
+            lengths[i], offsets[i], slots[i] = len(new), cached, slot
+            table[i, :len(pages)] = pages
+        if self.layout.groups > 1:  # ids local to their group's block (padding's 0 stays the null entry)
+            slots %= self.layout.slots_per_group
+            table %= self.layout.pages_per_group
         return (tokens[:, 0] if num_tokens == 1 else tokens), lengths, offsets, slots, table
 
     def copy_slot(self, source: int, target: int) -> None:
@@ -370,12 +371,12 @@ class Runner:
         return jax.set_mesh(self.model.mesh) if self.model.mesh is not None else contextlib.nullcontext()
 
     def _call(self, fn, arrays, *, extra=(), pools=None, compile_only: bool = False):
-        """fn(structure, groups, params, pools, *arrays, taps, *extra), every array placed by rows. extra:
-        `_step`'s embeddings override (a (values, mask) tuple) or `_verify`'s order."""
+        """fn(structure, groups, params, pools, *arrays, taps[, extra]): arrays and extra placed by rows;
+        extra, one tuple after taps: `_step`'s embeddings override (values, mask), `_verify`'s (order,)."""
         args = (self.model.structure, self.layout.groups, self.model.param_leaves,
                 self.pools if pools is None else pools, *self._put_rows(arrays), self.taps)
-        args += tuple(tuple(self._put_rows(x)) if isinstance(x, tuple) else tuple(self._put_rows([x]))[0]
-                      for x in extra)
+        if extra:
+            args += (tuple(self._put_rows(extra)),)
         with self._mesh():
             return fn.lower(*args).compile() if compile_only else fn(*args)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from pallas_kernels.linear import linear
+from sharding.mesh import DATA
 
 
 def param(rngs: nnx.Rngs | None, shape, axes: tuple[str, ...], dtype, init: str = "normal",
@@ -71,12 +73,16 @@ def rms_norm(x, weight, eps: float, out_dtype):
 
 
 def per_group(fn, groups: int, *args):
-    """fn(*args) on each of `groups` equal blocks of every argument's leading axis, the results joined
-    again: DP attention's pool reads and writes (k3jax.decoder.PagedState.groups), where rows and pool
-    entries both split over `data` in blocks and row block g uses only pool block g. As a batched
-    gather or scatter the partitioner keeps each on its own data group; with global ids it would
-    move the pools between groups."""
+    """fn(*args) on each data group's block of every argument's leading axis, on that group's devices
+    (`data` manual, heads still split over `model` inside), the results joined again: DP attention's
+    pool reads and writes (k3jax.decoder.PagedState.groups), where rows and pool entries both split
+    over `data` in blocks and row block g uses only pool block g, its ids local to the block. With
+    global ids the partitioner would move pools between groups; a Pallas kernel inside sees its own
+    group's pool block and table alone."""
     if groups == 1:
         return fn(*args)
-    blocks = jax.vmap(fn)(*jax.tree.map(lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:]), args))
-    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), blocks)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get(DATA) != groups:
+        raise ValueError(f"{groups} DP attention groups need a mesh with data={groups} set around the call")
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(PartitionSpec(DATA) for _ in args),
+                         out_specs=PartitionSpec(DATA), axis_names={DATA}, check_vma=False)(*args)

@@ -1,6 +1,7 @@
 """The engine's paged forward (KDA states in slots, MLA rows in pages, decode steps through the KDA
 decode op) against the full causal forward, from pools full of garbage; and the same steps with every
-Pallas kernel (interpret mode) run per shard on a model=2 mesh against the XLA paths on one device."""
+Pallas kernel (interpret mode) run per shard on a model=2 mesh, and per data group on 2x2 (DP
+attention), against the XLA paths on one device."""
 
 import contextlib
 import copy
@@ -26,23 +27,25 @@ SLOT_OF = [3, 1]
 STEPS = 4
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, params, pools, tokens, lengths, offsets, slots, table):
-    out = nnx.merge(graphdef, params).step(tokens, lengths, PagedState(pools, offsets, slots, table))
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(graphdef, groups, params, pools, tokens, lengths, offsets, slots, table):
+    out = nnx.merge(graphdef, params).step(tokens, lengths, PagedState(pools, offsets, slots, table, groups))
     return out.logits, out.state.layers
 
 
-def garbage_pools(cfg, dtype):
-    """Pools whose every slot and page holds large random values, as left behind by other requests."""
-    pools = init_pools(cfg, num_slots=SLOTS, num_pages=PAGES, page_size=PAGE, dtype=dtype)
+def garbage_pools(cfg, dtype, groups: int = 1):
+    """Pools whose every slot and page holds large random values, as left behind by other requests
+    (with DP attention's `groups`, a block of SLOTS slots and PAGES pages for each)."""
+    pools = init_pools(cfg, num_slots=SLOTS * groups, num_pages=PAGES * groups, page_size=PAGE, dtype=dtype)
     rng = np.random.default_rng(1)
     return jax.tree.map(lambda a: jnp.asarray(10 * rng.standard_normal(a.shape), a.dtype), pools)
 
 
-def run_steps(model, pools, feed=None):
+def run_steps(model, pools, feed=None, groups: int = 1):
     """Prefills prompt 0 (7 tokens) beside a padding row; then decodes row 0 while row 1 brings its
     one-token prompt to a fresh slot; then decodes both greedily, or with the tokens of `feed` (the
-    sequences of another run: teacher forcing). Every call has 2 rows (2 compiles).
+    sequences of another run: teacher forcing). Every call has 2 rows (2 compiles). With 2 `groups`
+    (DP attention) row r runs in group r, its slot and pages the same ids within its group's block.
     Returns each call's last-token logits [2, V] and the token sequences fed."""
     sequences = [[], []]
     tables = np.array([[1 + 3 * s + j for j in range(WIDTH)] for s in SLOT_OF], np.int32)
@@ -57,7 +60,7 @@ def run_steps(model, pools, feed=None):
         lengths = np.array([len(t) for t in new_tokens], np.int32)
         offsets = np.array([len(seq) for seq in sequences], np.int32)
         slots = np.where(lengths > 0, SLOT_OF, 0).astype(np.int32)  # a padding row: the null slot and page
-        logits, pools = _forward(model.graphdef, model.params, pools, tokens, lengths, offsets, slots,
+        logits, pools = _forward(model.graphdef, groups, model.params, pools, tokens, lengths, offsets, slots,
                                  tables * (lengths > 0)[:, None])
         for seq, t in zip(sequences, new_tokens):
             seq.extend(t)
@@ -114,3 +117,14 @@ def test_pallas_kernels_per_shard_match_the_xla_paths(xla_run, monkeypatch):
     got, fed = run_steps(sharded, garbage_pools(model.config, jnp.float32), feed=sequences)
     assert fed == sequences
     check_against_reference(Referee(model), got, fed, "Pallas paged steps per shard")
+
+
+def test_pallas_kernels_per_data_group_match_the_xla_paths(xla_run, monkeypatch):
+    # DP attention on 2x2: each data group's rows and pool blocks on its own devices (data manual),
+    # the Pallas kernels per shard inside it over model: what a GPU mesh with data > 1 runs
+    model, _, sequences = xla_run
+    monkeypatch.setenv(dispatch.ENV, "pallas")
+    sharded = K3Model(model.config, model.graphdef, model.params, make_mesh("2x2"))
+    got, fed = run_steps(sharded, garbage_pools(model.config, jnp.float32, groups=2), feed=sequences, groups=2)
+    assert fed == sequences
+    check_against_reference(Referee(model), got, fed, "Pallas paged steps per data group")
