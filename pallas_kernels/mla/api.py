@@ -1,5 +1,5 @@
-"""MLA attention ops (ARCHITECTURE.md, "Kernels"): naive-form prefill, padded or packed, and absorbed-form decode over
-a contiguous cache or a page pool.
+"""MLA attention ops (ARCHITECTURE.md, "Kernels"): naive-form prefill, padded, packed or over a page pool, and
+absorbed-form decode over a contiguous cache or a page pool, of one token or a few (extend).
 
 impl: "auto" (the Pallas-Triton kernels on GPU when the shapes suit them, the XLA path otherwise),
 "xla", "reference" or "pallas" (pallas_triton.py; off a GPU it runs in interpret mode, slow, for
@@ -88,22 +88,69 @@ def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, val
     zeros. kv_scale: fp32 scalar, true row = stored * kv_scale (required for fp8 pages).
     Returns the attention-weighted latent [B, H, value_width] in q_latent's dtype.
     """
-    b = q_latent.shape[0] if q_latent.ndim == 3 else None
-    if q_latent.ndim != 3 or pages.ndim != 3 or pages.shape[2] != q_latent.shape[2]:
-        raise ValueError(f"q_latent {q_latent.shape} and pages {pages.shape} must be [B, H, C] and [P, page_size, C]")
-    if page_table.ndim != 2 or page_table.shape[0] != b or kv_length.shape != (b,):
-        raise ValueError(f"page_table {page_table.shape} and kv_length {kv_length.shape} must be [B, max_pages] "
-                         f"and [B] with B = {b}")
-    if not 0 < value_width <= pages.shape[2]:
-        raise ValueError(f"value_width {value_width} must be in (0, {pages.shape[2]}]")
-    if pages.dtype in _FP8 and kv_scale is None:
-        raise ValueError(f"pages of dtype {pages.dtype} need kv_scale (true value = stored * kv_scale)")
+    _check_paged(q_latent, pages, page_table, kv_length, value_width, kv_scale)
     impl = dispatch.resolve(impl, _decode_fits(pages.shape[1], pages.shape[2], value_width),
                             f"pages {pages.shape}, value_width {value_width}")
     if impl == "pallas":
         return _paged_decode_per_shard(q_latent, pages, page_table, kv_length, scale, value_width, kv_scale, tuning)
     return _module(impl).paged_decode_attention(q_latent, pages, page_table, kv_length, scale=scale,
                                                 value_width=value_width, kv_scale=kv_scale)
+
+
+def paged_extend_attention(q_latent, pages, page_table, *, q_offset, kv_length, scale, value_width: int = 512,
+                           kv_scale=None, impl: str = "auto", **tuning):
+    """Absorbed-form MLA attention of T new tokens per sequence over a page pool (a speculative
+    verify window, a short prefill chunk): q_latent [B, T, H, C] are the queries of positions
+    q_offset[b] + t, in latent space as for paged_decode_attention; query t sees rows
+    s <= q_offset[b] + t with s < kv_length[b] (the new tokens' rows already written).
+    Returns [B, T, H, value_width] in q_latent's dtype.
+
+    The Pallas path runs the paged decode kernel with each query row as its own sequence (the row's
+    page table repeated, its length cut at the query's position), so it reads each page T times.
+    """
+    if q_latent.ndim != 4:
+        raise ValueError(f"q_latent {q_latent.shape} must be [B, T, H, C]")
+    b, t, h, c = q_latent.shape
+    if q_offset.shape != (b,):
+        raise ValueError(f"q_offset {q_offset.shape} must be [B] with B = {b}")
+    impl = dispatch.resolve(impl, _decode_fits(pages.shape[1], pages.shape[2], value_width),
+                            f"pages {pages.shape}, value_width {value_width}")
+    if impl == "pallas":
+        lengths = jnp.clip(q_offset[:, None] + jnp.arange(t)[None, :] + 1, 0, kv_length[:, None]).reshape(-1)
+        table = page_table if t == 1 else jnp.repeat(page_table, t, axis=0)
+        out = paged_decode_attention(q_latent.reshape(b * t, h, c), pages, table,
+                                     lengths, scale=scale, value_width=value_width, kv_scale=kv_scale, impl="pallas",
+                                     **tuning)
+        return out.reshape(b, t, h, value_width)
+    _check_paged(q_latent[:, 0], pages, page_table, kv_length, value_width, kv_scale)
+    return _module(impl).paged_extend_attention(q_latent, pages, page_table, q_offset=q_offset, kv_length=kv_length,
+                                                scale=scale, value_width=value_width, kv_scale=kv_scale)
+
+
+def paged_prefill_attention(q, pages, page_table, w_uk, w_uv, *, q_offset, kv_length, scale, kv_scale=None,
+                            impl: str = "auto"):
+    """Naive-form MLA attention of a prefill chunk over a page pool: q [B, T, H, nope + rope] are the
+    queries of positions q_offset[b] + t; the pool's rows [normalised latent | shared key] (paged as
+    in paged_decode_attention, the chunk's own rows already written) are expanded per head by
+    w_uk [H, nope, C_lat] into keys [k_nope | shared key] and by w_uv [H, v, C_lat] into values.
+    Query t sees rows s <= q_offset[b] + t with s < kv_length[b]. Returns [B, T, H, v] in q's dtype.
+
+    XLA only ("pallas" is refused): the rows are expanded a block of pages at a time as the online
+    softmax reaches them, so the work follows each context's length, never the page table's width.
+    """
+    if q.ndim != 4 or w_uk.ndim != 3 or w_uv.ndim != 3 or w_uk.shape[0] != q.shape[2] \
+            or w_uv.shape[::2] != w_uk.shape[::2]:
+        raise ValueError(f"q {q.shape}, w_uk {w_uk.shape} and w_uv {w_uv.shape} must be [B, T, H, nope + rope], "
+                         f"[H, nope, C_lat] and [H, v, C_lat]")
+    if pages.ndim != 3 or pages.shape[2] - w_uk.shape[2] != q.shape[3] - w_uk.shape[1]:
+        raise ValueError(f"pages {pages.shape} must be [P, page_size, C_lat + rope] for q {q.shape} "
+                         f"and w_uk {w_uk.shape}")
+    _check_table(q.shape[0], page_table, kv_length, pages, kv_scale)
+    if q_offset.shape != (q.shape[0],):
+        raise ValueError(f"q_offset {q_offset.shape} must be [B] with B = {q.shape[0]}")
+    impl = dispatch.resolve(impl, False, "no Pallas kernel for the paged prefill")
+    return _module(impl).paged_prefill_attention(q, pages, page_table, w_uk, w_uv, q_offset=q_offset,
+                                                 kv_length=kv_length, scale=scale, kv_scale=kv_scale)
 
 
 def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: int, impl: str = "auto", **tuning):
@@ -128,6 +175,23 @@ def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width: i
                                        None, tuning)
     return _module(impl).latent_decode_attention(q_latent, cache, kv_length=kv_length, scale=scale,
                                                  value_width=value_width)
+
+
+def _check_paged(q_latent, pages, page_table, kv_length, value_width, kv_scale):
+    """The absorbed form's operands: q_latent [B, H, C] against pages [P, page_size, C]."""
+    if q_latent.ndim != 3 or pages.ndim != 3 or pages.shape[2] != q_latent.shape[2]:
+        raise ValueError(f"q_latent {q_latent.shape} and pages {pages.shape} must be [B, H, C] and [P, page_size, C]")
+    if not 0 < value_width <= pages.shape[2]:
+        raise ValueError(f"value_width {value_width} must be in (0, {pages.shape[2]}]")
+    _check_table(q_latent.shape[0], page_table, kv_length, pages, kv_scale)
+
+
+def _check_table(b: int, page_table, kv_length, pages, kv_scale):
+    if page_table.ndim != 2 or page_table.shape[0] != b or kv_length.shape != (b,):
+        raise ValueError(f"page_table {page_table.shape} and kv_length {kv_length.shape} must be [B, max_pages] "
+                         f"and [B] with B = {b}")
+    if pages.dtype in _FP8 and kv_scale is None:
+        raise ValueError(f"pages of dtype {pages.dtype} need kv_scale (true value = stored * kv_scale)")
 
 
 def _prefill_fits(q, v) -> bool:

@@ -48,13 +48,44 @@ def varlen_key_ranges(cu_seqlens_q, cu_seqlens_k, total_q: int):
 def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, value_width, kv_scale=None):
     """Absorbed-form decode over a page pool: sequence b's row s is pages[page_table[b, s // page_size],
     s % page_size] (true value = stored * kv_scale), the first kv_length[b] rows valid."""
-    rows = pages.astype(jnp.float32) * (1.0 if kv_scale is None else kv_scale)
-    cache = rows[page_table].reshape(page_table.shape[0], -1, pages.shape[-1])
-    valid = jnp.arange(cache.shape[1])[None, :] < kv_length[:, None]
-    cache = jnp.where(valid[..., None], cache, 0.0)  # rows past the length may hold anything, NaN included
+    cache = _gather_pages(pages, page_table, kv_length, kv_scale)
     out = latent_decode_attention(q_latent.astype(jnp.float32), cache, kv_length=kv_length, scale=scale,
                                   value_width=value_width)
     return out.astype(q_latent.dtype)
+
+
+def paged_extend_attention(q_latent, pages, page_table, *, q_offset, kv_length, scale, value_width, kv_scale=None):
+    """Absorbed form for T new tokens per sequence over a page pool: q_latent [B, T, H, C] at positions
+    q_offset[b] + t, causal over the pool's first kv_length[b] rows (paged as in paged_decode_attention)
+    -> [B, T, H, value_width] in q_latent's dtype."""
+    cache = _gather_pages(pages, page_table, kv_length, kv_scale)
+    logits = jnp.einsum("bthc,bsc->bhts", q_latent.astype(jnp.float32), cache) * scale
+    mask = _allowed(q_latent.shape[1], cache.shape[1], q_offset, kv_length)[:, None]
+    out = jnp.einsum("bhts,bsc->bthc", _masked_softmax(logits, mask), cache[..., :value_width])
+    return out.astype(q_latent.dtype)
+
+
+def paged_prefill_attention(q, pages, page_table, w_uk, w_uv, *, q_offset, kv_length, scale, kv_scale=None):
+    """Naive form over a page pool: every row (paged as in paged_decode_attention) expanded per head by
+    w_uk [H, nope, C_lat] into keys [k_nope | shared key] and by w_uv [H, v, C_lat] into values, then
+    causal_attention of q [B, T, H, nope + rope] -> [B, T, H, v] in q's dtype."""
+    cache = _gather_pages(pages, page_table, kv_length, kv_scale)
+    latent, k_rope = cache[..., :w_uk.shape[2]], cache[..., w_uk.shape[2]:]
+    k_nope = jnp.einsum("bsc,hnc->bshn", latent, w_uk.astype(jnp.float32))
+    k_rope = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
+    v = jnp.einsum("bsc,hvc->bshv", latent, w_uv.astype(jnp.float32))
+    out = causal_attention(q.astype(jnp.float32), jnp.concatenate([k_nope, k_rope], axis=-1), v, q_offset=q_offset,
+                           kv_length=kv_length, scale=scale)
+    return out.astype(q.dtype)
+
+
+def _gather_pages(pages, page_table, kv_length, kv_scale):
+    """Each sequence's true rows [B, max_pages * page_size, C] in fp32, zeros from its length on (rows
+    past the length may hold anything, NaN included)."""
+    rows = pages.astype(jnp.float32) * (1.0 if kv_scale is None else kv_scale)
+    cache = rows[page_table].reshape(page_table.shape[0], -1, pages.shape[-1])
+    valid = jnp.arange(cache.shape[1])[None, :] < kv_length[:, None]
+    return jnp.where(valid[..., None], cache, 0.0)
 
 
 def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width):

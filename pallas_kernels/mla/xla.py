@@ -20,16 +20,9 @@ def causal_attention(q, k, v, *, q_offset, kv_length, scale, kv_block: int = KV_
     """Same contract as reference.causal_attention."""
     if k.shape[1] <= kv_block:  # one block: the plain form is already optimal
         return reference.causal_attention(q, k, v, q_offset=q_offset, kv_length=kv_length, scale=scale)
-    q_pos = q_offset[:, None] + jnp.arange(q.shape[1])[None, :]  # [B, T]
-    hi = jnp.minimum(q_pos + 1, kv_length[:, None])
-
-    def scores(q_blk, k_blk):
-        return jnp.einsum("bthd,bshd->bhts", q_blk, k_blk, preferred_element_type=jnp.float32)
-
-    def mix(p, v_blk):
-        return jnp.einsum("bhts,bshd->bhtd", p, v_blk.astype(jnp.float32))
-
-    out = _online_softmax(q, jnp.zeros_like(hi), hi, scale, _contiguous_blocks(k, v, kv_block), scores, mix)
+    hi = _causal_limit(q_offset, kv_length, q.shape[1])
+    out = _online_softmax(q, jnp.zeros_like(hi), hi, scale, _contiguous_blocks(k, v, kv_block), _head_scores,
+                          _head_mix)
     return jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype)
 
 
@@ -40,15 +33,8 @@ def varlen_causal_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, scale, kv_bl
     if k.shape[0] <= kv_block:
         return reference.varlen_causal_attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                                  scale=scale)
-
-    def scores(q_blk, k_blk):
-        return jnp.einsum("bthd,bshd->bhts", q_blk, k_blk, preferred_element_type=jnp.float32)
-
-    def mix(p, v_blk):
-        return jnp.einsum("bhts,bshd->bhtd", p, v_blk.astype(jnp.float32))
-
     out = _online_softmax(q[None], lo[None], hi[None], scale, _contiguous_blocks(k[None], v[None], kv_block),
-                          scores, mix)
+                          _head_scores, _head_mix)
     return jnp.transpose(out[0], (1, 0, 2)).astype(q.dtype)
 
 
@@ -57,44 +43,112 @@ def latent_decode_attention(q_latent, cache, *, kv_length, scale, value_width, k
     if cache.shape[1] <= kv_block:
         return reference.latent_decode_attention(q_latent, cache, kv_length=kv_length, scale=scale,
                                                  value_width=value_width)
-    blocks = _contiguous_blocks(cache, cache, kv_block)
-    return _latent_decode(q_latent, kv_length, scale, value_width, blocks).astype(q_latent.dtype)
+    out = _latent_attention(q_latent[:, None], kv_length[:, None], scale, value_width,
+                            _contiguous_blocks(cache, cache, kv_block))
+    return out[:, 0].astype(q_latent.dtype)
 
 
 def paged_decode_attention(q_latent, pages, page_table, kv_length, *, scale, value_width, kv_scale=None,
                            kv_block: int = DECODE_KV_BLOCK):
-    """Same contract as reference.paged_decode_attention; gathers kv_block tokens of pages at a time,
-    never the whole context."""
+    """Same contract as reference.paged_decode_attention: one query row at the end of each context."""
+    out = paged_extend_attention(q_latent[:, None], pages, page_table, q_offset=kv_length - 1, kv_length=kv_length,
+                                 scale=scale, value_width=value_width, kv_scale=kv_scale, kv_block=kv_block)
+    return out[:, 0]
+
+
+def paged_extend_attention(q_latent, pages, page_table, *, q_offset, kv_length, scale, value_width, kv_scale=None,
+                           kv_block: int = DECODE_KV_BLOCK):
+    """Same contract as reference.paged_extend_attention; gathers kv_block tokens of pages at a time,
+    never the whole context. kv_scale is folded into the scale and the output (the rows stay stored)."""
+    dequant = 1.0 if kv_scale is None else jnp.asarray(kv_scale, jnp.float32)
+    blocks = _paged_blocks(pages, page_table, kv_length, kv_block, q_latent.dtype)
+    hi = _causal_limit(q_offset, kv_length, q_latent.shape[1])
+    out = _latent_attention(q_latent, hi, scale * dequant, value_width, _same(blocks))
+    return (out * dequant).astype(q_latent.dtype)
+
+
+def paged_prefill_attention(q, pages, page_table, w_uk, w_uv, *, q_offset, kv_length, scale, kv_scale=None,
+                            kv_block: int = KV_BLOCK):
+    """Same contract as reference.paged_prefill_attention; gathers kv_block tokens of pages at a time
+    and expands them per head there, so the expanded keys and values never exceed one block (a
+    chunk's cost follows its context, not the page table's width). kv_scale folds into the scale
+    and the output: the expansion is linear in the rows."""
+    dequant = 1.0 if kv_scale is None else jnp.asarray(kv_scale, jnp.float32)
+    nope, latent_width = w_uk.shape[1], w_uk.shape[2]
+    n_blocks, block_tokens, load_rows = _paged_blocks(pages, page_table, kv_length, kv_block, q.dtype)
+    hi = _causal_limit(q_offset, kv_length, q.shape[1])
+
+    def load(index):  # (keys [B, S, H, nope + rope], values [B, S, H, v])
+        rows = load_rows(index)
+        latent = rows[..., :latent_width]
+        k_nope = jnp.einsum("bsc,hnc->bshn", latent, w_uk.astype(q.dtype), preferred_element_type=jnp.float32)
+        v = jnp.einsum("bsc,hvc->bshv", latent, w_uv.astype(q.dtype), preferred_element_type=jnp.float32)
+        # The shared key joins every head's keys: one dot per block (a separate dot for it measured 2-4x
+        # slower on XLA:CPU).
+        k_rope = jnp.broadcast_to(rows[:, :, None, latent_width:], (*k_nope.shape[:3], rows.shape[-1] - latent_width))
+        return jnp.concatenate([k_nope.astype(q.dtype), k_rope], axis=-1), v.astype(q.dtype)
+
+    out = _online_softmax(q, jnp.zeros_like(hi), hi, scale * dequant, (n_blocks, block_tokens, load), _head_scores,
+                          _head_mix)
+    return (jnp.transpose(out, (0, 2, 1, 3)) * dequant).astype(q.dtype)
+
+
+def _head_scores(q_blk, k_blk):
+    """Per-head queries [B, T, H, D] against keys [B, S, H, D] -> [B, H, T, S] fp32."""
+    return jnp.einsum("bthd,bshd->bhts", q_blk, k_blk, preferred_element_type=jnp.float32)
+
+
+def _head_mix(p, v_blk):
+    """Weights [B, H, T, S] over per-head values [B, S, H, Dv] -> [B, H, T, Dv] fp32."""
+    return jnp.einsum("bhts,bshd->bhtd", p, v_blk.astype(jnp.float32))
+
+
+def _causal_limit(q_offset, kv_length, t: int):
+    """[B, T]: query t of row b (position q_offset[b] + t) sees keys below this."""
+    return jnp.minimum(q_offset[:, None] + jnp.arange(t)[None, :] + 1, kv_length[:, None])
+
+
+def _paged_blocks(pages, page_table, kv_length, kv_block: int, dtype):
+    """(number of blocks, tokens per block, load(index) -> stored rows [B, tokens, C] in dtype) over
+    each row's pages, whole pages at a time; rows at or past the row's length read as zeros (unwritten
+    rows may hold anything, NaN included)."""
     page_size = pages.shape[1]
     pages_per_block = min(max(1, kv_block // page_size), page_table.shape[1])
     table = jnp.pad(page_table, ((0, 0), (0, -page_table.shape[1] % pages_per_block)))  # pad with page 0
     table = table.reshape(table.shape[0], -1, pages_per_block)
-    dequant = 1.0 if kv_scale is None else jnp.asarray(kv_scale, jnp.float32)
+    block_tokens = pages_per_block * page_size
 
-    def load(index):  # fp8 pages are widened to q's dtype; kv_scale is folded into scale and output
-        rows = pages[table[:, index]].astype(q_latent.dtype)
-        rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
-        token = index * rows.shape[1] + jnp.arange(rows.shape[1])
-        rows = jnp.where((token[None, :] < kv_length[:, None])[..., None], rows, 0)  # unwritten rows may be NaN
+    def load(index):
+        rows = pages[table[:, index]].astype(dtype)
+        rows = rows.reshape(rows.shape[0], block_tokens, rows.shape[-1])
+        token = index * block_tokens + jnp.arange(block_tokens)
+        return jnp.where((token[None, :] < kv_length[:, None])[..., None], rows, 0)
+
+    return table.shape[1], block_tokens, load
+
+
+def _same(blocks):
+    """Blocks whose rows are both the keys and the values (the absorbed form)."""
+    n_blocks, block_tokens, load = blocks
+
+    def load_both(index):
+        rows = load(index)
         return rows, rows
 
-    blocks = (table.shape[1], pages_per_block * page_size, load)
-    out = _latent_decode(q_latent, kv_length, scale * dequant, value_width, blocks)
-    return (out * dequant).astype(q_latent.dtype)
+    return n_blocks, block_tokens, load_both
 
 
-def _latent_decode(q_latent, kv_length, scale, value_width, blocks):
-    """[B, H, value_width] fp32: every query sees rows [0, kv_length)."""
-    hi = kv_length[:, None]
-
+def _latent_attention(q_latent, hi, scale, value_width, blocks):
+    """The absorbed form: q_latent [B, T, H, C], query t of row b seeing rows [0, hi[b, t]) ->
+    [B, T, H, value_width] fp32 (the value is each row's first value_width entries)."""
     def scores(q_blk, k_blk):
         return jnp.einsum("bthc,bsc->bhts", q_blk, k_blk, preferred_element_type=jnp.float32)
 
     def mix(p, v_blk):
         return jnp.einsum("bhts,bsc->bhtc", p, v_blk[..., :value_width].astype(jnp.float32))
 
-    out = _online_softmax(q_latent[:, None], jnp.zeros_like(hi), hi, scale, blocks, scores, mix)
-    return out[:, :, 0]
+    out = _online_softmax(q_latent, jnp.zeros_like(hi), hi, scale, blocks, scores, mix)
+    return jnp.transpose(out, (0, 2, 1, 3))
 
 
 def _contiguous_blocks(k, v, kv_block):

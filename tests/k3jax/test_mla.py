@@ -9,7 +9,8 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.decoder import Batch
-from k3jax.layers.mla import MLACache, MLAPages, MultiHeadLatentAttention, rope_interleaved
+from k3jax.layers import mla as mla_layer
+from k3jax.layers.mla import MLACache, MLAPages, MultiHeadLatentAttention, absorbed_is_cheaper, rope_interleaved
 from pallas_kernels import mla as mla_ops
 from pallas_kernels.mla import reference, xla
 
@@ -72,11 +73,13 @@ def _batch(b, t, offset, page_table=None):
                  page_table=page_table)
 
 
+@pytest.mark.parametrize("form", ["absorbed", "naive"])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.float8_e4m3fn, 0.1)])
-def test_pages_equal_a_contiguous_cache(dtype, tol):
+def test_pages_equal_a_contiguous_cache(dtype, tol, form, monkeypatch):
     """Chunks and decode steps through a page pool (pages out of order, page size 4, padding in a
-    chunk) give the contiguous cache's outputs; fp8 pages within E4M3's 3-bit mantissa (2**-4 per value,
-    averaged over the keys)."""
+    chunk) give the contiguous cache's outputs, in either form of the paged attention; fp8 pages within
+    E4M3's 3-bit mantissa (2**-4 per value, averaged over the keys)."""
+    monkeypatch.setattr(mla_layer, "absorbed_is_cheaper", lambda cfg, t: form == "absorbed")
     cfg, layer = _layer()
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 11, cfg.hidden_size)), jnp.float32)
     table = jnp.asarray([[5, 2, 7, 0], [1, 6, 3, 4]], jnp.int32)  # page 0 of row 0 unused: the null page
@@ -99,13 +102,21 @@ def test_pages_equal_a_contiguous_cache(dtype, tol):
     np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+def test_the_paged_form_follows_the_multiply_add_count():
+    """Absorbed while T (C + C_lat) <= C_lat (nope + v) + T (nope + rope + v): K3 (512, 128, 64, 128) up
+    to T = 170 (768 T <= 131072), k3-tiny (32, 16, 8, 16) up to T = 32 (32 T <= 1024)."""
+    k3, tiny = K3Config.from_preset("kimi-k3"), K3Config.from_preset("k3-tiny")
+    assert [absorbed_is_cheaper(k3, t) for t in (1, 170, 171)] == [True, True, False]
+    assert [absorbed_is_cheaper(tiny, t) for t in (1, 32, 33)] == [True, True, False]
+
+
 def test_fp8_pages_clamp_values_beyond_the_format():
     """Rows past E4M3's range (448 x scale) are stored as the range's end, not as NaN; the rest round."""
     cfg, _ = _layer()
     pages = MLAPages.zeros(cfg, 2, 4, jnp.float8_e4m3fn, scale=0.5)
     values = jnp.zeros((1, 2, cfg.mla_cache_width)).at[0, 0, :3].set(jnp.asarray([1e4, -300.0, 1.5]))
     stored = pages.write(jnp.ones((1, 2), jnp.int32), jnp.asarray([[0, 1]]), values)
-    got = np.asarray(stored.gather(jnp.ones((1, 1), jnp.int32), jnp.float32))[0]
+    got = np.asarray(stored.pages[1], np.float32) * float(stored.scale)
     np.testing.assert_array_equal(got[0, :3], [448 * 0.5, -224.0, 1.5])  # 1e4 and -300 clamp; 1.5 is exact
     assert np.isfinite(got).all()
 

@@ -1,5 +1,6 @@
 """MLA kernels: every implementation (XLA, Pallas-Triton in interpret mode) against reference.py for
-padded and packed prefill and for paged decode over bf16 and fp8 pages, the edge cases (ragged
+padded and packed prefill, for paged decode and extend over bf16 and fp8 pages and for the paged
+naive-form prefill, the edge cases (ragged
 blocks, length 1 and 0, queries seeing no key, pages ending on the length, garbage table entries),
 the API's checks, and lowering for an H200 and an MI300 at K3's per-device shapes."""
 
@@ -210,6 +211,112 @@ def test_contiguous_latent_decode_through_the_paged_kernel():
         kw = {"kv_length": jnp.asarray(lengths), "scale": 0.1, "value_width": 64}
         got = mla.latent_decode_attention(q, cache, impl="pallas", **kw)
         assert_mix_close(got, reference.latent_decode_attention(q, cache, **kw), cache[..., :64], jnp.bfloat16)
+
+
+# ---------------------------------------------------- paged extend and prefill (T new tokens per row)
+
+T_NEW = 6  # new tokens per row: each row's last T_NEW positions (fewer for shorter rows: some see nothing)
+
+
+def extend_inputs(dtype, *, pages_dtype=jnp.bfloat16, kv_scale=None, lengths=(0, 1, 32, 45, 80)):
+    """paged_inputs' pool and tables (NaN in page 0 and past each length) with queries [B, T_NEW, 3, 80]
+    at positions length - T_NEW + t."""
+    _, pages, table, lengths, true_rows = paged_inputs(16, list(lengths), pages_dtype=pages_dtype,
+                                                       kv_scale=kv_scale)
+    q = normal(np.random.default_rng(5), (len(lengths), T_NEW, 3, 80), dtype)
+    return q, pages, table, lengths, lengths - T_NEW, true_rows
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("pages_dtype, kv_scale", [(jnp.bfloat16, None), (jnp.float8_e4m3fn, 0.25)])
+def test_paged_extend_matches_reference(impl, pages_dtype, kv_scale):
+    q, pages, table, lengths, q_offset, _ = extend_inputs(jnp.bfloat16, pages_dtype=pages_dtype, kv_scale=kv_scale)
+    kw = {"q_offset": q_offset, "kv_length": lengths, "scale": 0.1, "value_width": 64,
+          "kv_scale": None if kv_scale is None else jnp.float32(kv_scale)}
+    want = reference.paged_extend_attention(q, pages, table, **kw)
+    got = (xla.paged_extend_attention(q, pages, table, kv_block=32, **kw) if impl == "xla"
+           else mla.paged_extend_attention(q, pages, table, impl="pallas", **SMALL_SPLITS, **kw))
+    assert got.dtype == q.dtype and got.shape == (5, T_NEW, 3, 64)
+    assert_mix_close(got, want, pages[1:, :, :64].astype(jnp.float32) * (kv_scale or 1.0), jnp.bfloat16)
+    assert not np.asarray(got[0], np.float32).any()  # length 0: no query sees a key
+    assert not np.asarray(got[1, :-1], np.float32).any()  # length 1: only the last query has one
+
+
+def test_paged_extend_of_one_token_is_the_decode():
+    q, pages, table, lengths, _, _ = extend_inputs(jnp.bfloat16)
+    kw = {"scale": 0.1, "value_width": 64}
+    want = reference.paged_decode_attention(q[:, 0], pages, table, lengths, **kw)
+    got = reference.paged_extend_attention(q[:, :1], pages, table, q_offset=lengths - 1, kv_length=lengths, **kw)
+    np.testing.assert_array_equal(np.asarray(got[:, 0], np.float32), np.asarray(want, np.float32))
+
+
+def expansion_weights(heads=3, nope=32, v=32, latent=64, seed=6):
+    """w_uk [H, nope, C_lat], w_uv [H, v, C_lat] for paged_inputs' 80-wide rows (64 latent + 16 shared key),
+    scaled so that keys and values stay O(1)."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((heads, nope, latent)) / 8, jnp.float32),
+            jnp.asarray(rng.standard_normal((heads, v, latent)) / 8, jnp.float32))
+
+
+def expanded_values(true_rows, w_uv):
+    """max |v| over the written rows (page 0 and the rows past each length are NaN)."""
+    return float(np.nanmax(np.abs(np.einsum("psc,hvc->pshv", true_rows[..., :64], np.asarray(w_uv, np.float64)))))
+
+
+@pytest.mark.parametrize("pages_dtype, kv_scale", [(jnp.bfloat16, None), (jnp.float8_e4m3fn, 0.25)])
+def test_paged_prefill_matches_reference(pages_dtype, kv_scale):
+    """fp32 queries over bf16 or fp8 pages (exact in fp32): the same true rows on both sides, so the
+    fp32 bound holds; kv_block 32 spreads each context over up to 3 blocks of pages."""
+    q, pages, table, lengths, q_offset, _ = extend_inputs(jnp.float32, pages_dtype=pages_dtype, kv_scale=kv_scale)
+    q = q[..., :48]  # nope 32 + rope 16
+    w_uk, w_uv = expansion_weights()
+    kw = {"q_offset": q_offset, "kv_length": lengths, "scale": 0.1,
+          "kv_scale": None if kv_scale is None else jnp.float32(kv_scale)}
+    want = reference.paged_prefill_attention(q, pages, table, w_uk, w_uv, **kw)
+    got = xla.paged_prefill_attention(q, pages, table, w_uk, w_uv, kv_block=32, **kw)
+    assert got.dtype == q.dtype and got.shape == (5, T_NEW, 3, 32)
+    true_rows = np.asarray(pages, np.float64) * (kv_scale or 1.0)
+    true_rows[0] = np.nan
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=0,
+                               atol=TOL[jnp.float32] * expanded_values(true_rows, w_uv))
+    assert not np.asarray(got[0]).any() and not np.asarray(got[1, :-1]).any()
+    with pytest.raises(ValueError, match="does not take these shapes"):
+        mla.paged_prefill_attention(q, pages, table, w_uk, w_uv, impl="pallas", **kw)
+
+
+def test_paged_prefill_and_extend_are_the_two_forms_of_one_attention():
+    """The naive form (rows expanded per head) equals the absorbed form with the queries mapped into
+    the latent space and the latent mix mapped out: W_UK^T q . row = q . (W_UK row), W_UV (sum p row)
+    = sum p (W_UV row). fp32 throughout."""
+    q, pages, table, lengths, q_offset, true_rows = extend_inputs(jnp.float32)
+    q = q[..., :48]
+    w_uk, w_uv = expansion_weights()
+    kw = {"q_offset": q_offset, "kv_length": lengths, "scale": 0.1}
+    naive = xla.paged_prefill_attention(q, pages, table, w_uk, w_uv, kv_block=32, **kw)
+    q_latent = jnp.concatenate([jnp.einsum("hnc,bthn->bthc", w_uk, q[..., :32]), q[..., 32:]], -1)
+    latent = xla.paged_extend_attention(q_latent, pages, table, value_width=64, kv_block=32, **kw)
+    absorbed = jnp.einsum("bthc,hvc->bthv", latent, w_uv)
+    np.testing.assert_allclose(np.asarray(absorbed), np.asarray(naive), rtol=0,
+                               atol=TOL[jnp.float32] * expanded_values(true_rows, w_uv))
+
+
+def test_paged_prefill_memory_follows_the_context_not_the_table_width():
+    """A chunk over a page table 64 times wider (a long max_model_len, mostly unused) needs no more
+    scratch memory than over a table just wide enough: the rows are expanded a block (kv_block
+    tokens) at a time, and only the blocks up to the longest context are visited."""
+    q, pages, _, lengths, q_offset, _ = extend_inputs(jnp.float32)
+    q = q[..., :48]
+    w_uk, w_uv = expansion_weights()
+
+    def scratch_bytes(width):
+        table = jnp.zeros((5, width), jnp.int32).at[:, :5].set(jnp.arange(1, 6))
+        fn = jax.jit(functools.partial(xla.paged_prefill_attention, q_offset=q_offset, kv_length=lengths, scale=0.1,
+                                       kv_block=64))
+        return fn.lower(q, pages, table, w_uk, w_uv).compile().memory_analysis().temp_size_in_bytes
+
+    narrow, wide = scratch_bytes(8), scratch_bytes(512)
+    table_growth = 5 * 512 * 4 * 4  # the wider table and its padded, reshaped copies, a few times over
+    assert wide - narrow <= table_growth, (narrow, wide)
 
 
 # ----------------------------------------------------------------------------------------------- API
