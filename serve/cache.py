@@ -54,10 +54,11 @@ class CacheLayout:
 
 
 def engine_layout(cfg: K3Config, options, dtype_bytes: int, kv_bytes: int, draft_page_bytes: int,
-                  groups: int = 1) -> CacheLayout:
+                  groups: int = 1, free_bytes: int | None = None) -> CacheLayout:
     """The pools of an engine with `options` (serve.engine.EngineOptions): a slot per request and per
     prefix-cache snapshot, and the pages `num_gpu_blocks`, `kv_cache_memory_bytes` or, by default, a
-    full-length request per slot make. With `groups` data groups (DP attention) each group gets its
+    full-length request per slot make, as far as `free_bytes` (a data group's share of the free device
+    memory, `free_cache_bytes`) holds them. With `groups` data groups (DP attention) each group gets its
     share of max_num_seqs and of the snapshots, rounded up, and the pages that share makes; the page
     count and the memory budget are per group, as they are per device in vLLM."""
     seqs = -(-options.max_num_seqs // groups)
@@ -67,6 +68,8 @@ def engine_layout(cfg: K3Config, options, dtype_bytes: int, kv_bytes: int, draft
         snapshots = -(-snapshots // groups)
     slots = seqs + snapshots + 1
     min_pages = -(-options.max_model_len // options.block_size) + 1  # one full-length request, and the null page
+    per_page = page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes
+    where = "the cache budget"
     if options.num_gpu_blocks is not None:
         pages = options.num_gpu_blocks
     elif options.kv_cache_memory_bytes is not None:
@@ -74,14 +77,50 @@ def engine_layout(cfg: K3Config, options, dtype_bytes: int, kv_bytes: int, draft
                                         max_num_seqs=slots - 1, page_size=options.block_size,
                                         dtype_bytes=dtype_bytes, kv_cache_dtype_bytes=kv_bytes,
                                         draft_page_bytes=draft_page_bytes).num_pages
-    else:  # every slot can hold a full-length request
+    else:  # every slot can hold a full-length request, as far as the free memory goes
         pages = seqs * (min_pages - 1) + 1
+        if free_bytes is not None:
+            fit = (free_bytes - slots * slot_bytes(cfg, dtype_bytes)) // per_page
+            if fit < pages:
+                pages, where = max(int(fit), 0), f"the {free_bytes} bytes of device memory free for the cache"
     if pages < min_pages:
-        raise ValueError(f"{pages} pages of {options.block_size} tokens "
-                         f"({pages * (page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes)} bytes) "
-                         "cannot hold one "
-                         f"request of max_model_len={options.max_model_len}; raise the cache budget")
+        raise ValueError(f"{pages} pages of {options.block_size} tokens ({pages * per_page} bytes, {where}) cannot "
+                         f"hold one request of max_model_len={options.max_model_len} ({min_pages - 1} pages); "
+                         "lower max_model_len or max_num_seqs, store the pages in fp8 (kv_cache_dtype), "
+                         "or give the cache more memory")
     return CacheLayout(options.block_size, pages * groups, slots * groups, groups)
+
+
+# The share of the free memory the pools take by default: the rest stays for the step's activations and
+# the compiled programs' scratch (vLLM keeps 10% of the device too, with gpu_memory_utilization 0.9).
+CACHE_SHARE = 0.9
+
+
+def free_cache_bytes(devices) -> int | None:
+    """What one data group's pools may take by default: CACHE_SHARE of the least free memory among
+    `devices` (an accelerator's allocator limit less what it holds, the weights already loaded), or on
+    CPU devices, which share the host's memory, of the host's available memory over the number of
+    devices (each holds its group's pages). None where neither is known."""
+    devices = list(devices)
+    stats = [device.memory_stats() for device in devices]
+    if all(stats) and all("bytes_limit" in s for s in stats):
+        return int(CACHE_SHARE * min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats))
+    if all(device.platform == "cpu" for device in devices):
+        available = _host_available_bytes()
+        return None if available is None else int(CACHE_SHARE * available / len(devices))
+    return None
+
+
+def _host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def describe(layout: CacheLayout, *, page_bytes: int, slot_bytes: int, max_model_len: int) -> str:

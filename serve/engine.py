@@ -28,7 +28,7 @@ from serve.detokenizer import OutputText
 from serve.dspark import speculation
 from serve.encoder_cache import DEFAULT_BUDGET_BYTES, EncoderCache
 from serve.multimodal import MultimodalPrompt
-from serve.cache import CacheAllocator, describe, engine_layout, page_bytes, slot_bytes
+from serve.cache import CacheAllocator, describe, engine_layout, free_cache_bytes, page_bytes, slot_bytes
 from serve.disagg.handoff import Handoff, PrefillOnly, Prefilled, check_handoff, pool_specs
 from serve.kv_offload import KVOffload
 from serve.prefix_cache import PrefixCache
@@ -139,7 +139,9 @@ class Engine:
         self.stats_counters = speculation.SpecStats(speculator.num_speculative_tokens if speculator else 0)
         kv_bytes = jnp.dtype(kv_dtype).itemsize
         draft_page_bytes = speculator.page_bytes(options.block_size) if speculator else 0
-        self.layout = engine_layout(cfg, options, jnp.dtype(model.dtype).itemsize, kv_bytes, draft_page_bytes, groups)
+        devices = model.mesh.local_devices if model.mesh is not None else jax.devices()[:1]
+        self.layout = engine_layout(cfg, options, jnp.dtype(model.dtype).itemsize, kv_bytes, draft_page_bytes, groups,
+                                    free_cache_bytes(devices))
         sizes = dict(page_bytes=page_bytes(cfg, options.block_size, kv_bytes) + draft_page_bytes,
                      slot_bytes=slot_bytes(cfg, jnp.dtype(model.dtype).itemsize))
         logger.info("cache: %s", describe(self.layout, max_model_len=options.max_model_len, **sizes))

@@ -156,6 +156,22 @@ def test_no_compilation_after_warmup(engine):
 
 
 @pytest.mark.isa_invariant
+def test_a_million_token_max_model_len_serves(model, referee):
+    """`--max-model-len 1048576`: every step's page table spans 65536 pages of 16 tokens and the pool
+    holds one full-length request (500 MiB of fp32 pages), and short requests give the reference's
+    tokens and logprobs. Each step reads only the pages up to its rows' lengths (a chunk used to
+    expand the table's whole width per head: seconds per chunk here); tests/pallas_kernels/
+    test_mla_kernels.py holds the attention's memory to that."""
+    engine = Engine(model, EngineOptions(max_model_len=1 << 20, max_num_seqs=1, max_num_batched_tokens=64,
+                                         max_prefill_chunk=64, max_prefill_rows=1, block_size=16,
+                                         num_gpu_blocks=(1 << 16) + 1))  # one row: two step shapes to compile
+    assert engine.runner.page_table_width == 1 << 16
+    prompts, max_tokens = workload(5, 2, lengths=(40, 64))  # one chunk each: the naive form (T > 32)
+    check_outputs(referee, prompts, generate(engine, prompts, max_tokens))
+    assert_pool_full(engine)
+
+
+@pytest.mark.isa_invariant
 def test_background_warmup_compiles_every_shape_while_the_engine_serves(model):
     """warmup(background=True) compiles the first request's shapes, then the rest on a thread that
     runs no step: requests served meanwhile get the reference tokens, and once the thread is done
