@@ -337,6 +337,11 @@ def test_bad_arguments_name_the_argument():
         mla.paged_decode_attention(q, pages, table[:1], lengths, scale=1.0, value_width=64)
     with pytest.raises(ValueError, match="does not take these shapes"):  # value 48 is not 80's first piece
         mla.paged_decode_attention(q, pages, table, lengths, scale=1.0, value_width=48, impl="pallas")
+    with pytest.raises(ValueError, match=r"q_latent \(2, 3, 80\) must be \[B, T, H, C\]"):
+        mla.paged_extend_attention(q, pages, table, q_offset=lengths, kv_length=lengths, scale=1.0, value_width=64)
+    with pytest.raises(ValueError, match="w_uk"):  # 3 heads of queries, 2 of weights
+        mla.paged_prefill_attention(q[:, None, :, :48], pages, table, jnp.zeros((2, 32, 64)), jnp.zeros((2, 32, 64)),
+                                    q_offset=lengths, kv_length=lengths, scale=1.0)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         mla.varlen_causal_attention(jnp.zeros((4, 2, 16)), jnp.zeros((4, 2, 16)), jnp.zeros((4, 2, 16)),
                                     cu_seqlens_q=jnp.asarray([0, 4]), cu_seqlens_k=jnp.asarray([0, 2, 4]), scale=1.0)
