@@ -44,12 +44,14 @@ class PrefixCache:
 
     def chain(self, tokens: list[int], first: int, end: int, previous: bytes = b"") -> list[bytes]:
         """Hashes of full pages first..end-1 of `tokens`, continuing from the hash of page first-1."""
-        hashes = []
+        return list(self._hashes(tokens, first, end, previous))
+
+    def _hashes(self, tokens: list[int], first: int, end: int, previous: bytes):
+        """`chain`, one hash at a time (a lookup that misses early stops hashing there)."""
         for i in range(first, end):
             page = np.asarray(tokens[i * self.page_size:(i + 1) * self.page_size], np.int64).tobytes()
             previous = hashlib.blake2b(previous + page, digest_size=16).digest()
-            hashes.append(previous)
-        return hashes
+            yield previous
 
     @staticmethod
     def root(group: int) -> bytes:
@@ -70,10 +72,12 @@ class PrefixCache:
         return hashes, [self.entries[h].page for h in hashes], self.entries[hashes[-1]].snapshot if hashes else None
 
     def cached_pages(self, prompt: list[int], group: int) -> int:
-        """How many pages `lookup` would find for `prompt` in `group` on the device (nothing referenced)."""
-        return self._usable(self.chain(prompt, 0, (len(prompt) - 1) // self.page_size, self.root(group)))
+        """How many pages `lookup` would find for `prompt` in `group` on the device (nothing referenced).
+        DP attention asks it of every group at admission: it hashes the prompt only as far as the
+        group's cache holds it."""
+        return self._usable(self._hashes(prompt, 0, (len(prompt) - 1) // self.page_size, self.root(group)))
 
-    def _usable(self, hashes: list[bytes]) -> int:
+    def _usable(self, hashes) -> int:
         """Length of the longest cached prefix of the chain `hashes` that ends at a snapshot."""
         usable = 0
         for i, h in enumerate(hashes):
