@@ -28,7 +28,7 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, make_single_device_sharding
 
 from k3jax.decoder import PagedState, TapSpec, init_pools
 from k3jax.layers.common import per_group
@@ -169,7 +169,7 @@ class Runner:
         # What `compile` lowers against: the pools' shapes and shardings, never their (donated) buffers.
         self._pool_specs = array_specs(self.pools)
         # Where arrays written into the pools (host-tier restores, a PD handoff) go first: whole on each device.
-        self._whole = SingleDeviceSharding(jax.local_devices()[0]) if model.mesh is None \
+        self._whole = make_single_device_sharding(jax.local_devices()[0]) if model.mesh is None \
             else NamedSharding(model.mesh, PartitionSpec())
 
     def run(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, num_tokens: int, *,
@@ -234,7 +234,8 @@ class Runner:
     def _logits_spec(self, compiled) -> jax.ShapeDtypeStruct:
         logits = compiled.out_info[0]
         # across processes the sampler takes the leader's own copy (`_local`), on its first device
-        sharding = SingleDeviceSharding(jax.local_devices()[0]) if self.spans_processes else compiled.output_shardings[0]
+        sharding = make_single_device_sharding(jax.local_devices()[0]) if self.spans_processes \
+            else compiled.output_shardings[0]
         return jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
 
     def verify(self, rows: list[tuple[list[int], int, int, list[int]]], num_rows: int, window: int,

@@ -93,7 +93,7 @@ class JaxTransport(Transport):
             if address not in self._connections:
                 self._connections[address] = self._server.connect(address)
             connection = self._connections[address]
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        sharding = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
         specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
                  for shape, dtype in map(spec, descriptor["specs"])]
         try:

@@ -132,7 +132,7 @@ def test_the_host_budget_drops_the_oldest_entries_first(model):  # noqa: F811
     hashes = [bytes([i]) * 16 for i in range(8)]
     for i, h in enumerate(hashes[:7]):  # pages 1..7 evicted oldest first, the last with its snapshot in slot 2
         tier.stage(h, i + 1, 2 if i == 6 else None)
-    pools = tier.transfer(pools, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    pools = tier.transfer(pools, jax.sharding.make_single_device_sharding(jax.local_devices()[0]))
     assert list(tier.entries) == hashes[2:7]  # 7 pages and a slot over a budget of 5 and a slot: the 2 oldest go
     assert tier.nbytes == 5 * expected_page + expected_slot == sum(e.nbytes for e in tier.entries.values())
     host = jax.device_get(pools)
@@ -142,7 +142,7 @@ def test_the_host_budget_drops_the_oldest_entries_first(model):  # noqa: F811
         np.testing.assert_array_equal(tier.entries[h].page, np.stack([pages[i + 1] for pages in mla]))
     np.testing.assert_array_equal(tier.entries[hashes[6]].snapshot[1], np.stack([p.state[2] for p in kda]))
     tier.stage(hashes[7], 8, None)  # one more page: the oldest left goes
-    pools = tier.transfer(pools, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    pools = tier.transfer(pools, jax.sharding.make_single_device_sharding(jax.local_devices()[0]))
     assert list(tier.entries) == hashes[3:8] and tier.nbytes == 5 * expected_page + expected_slot
 
 
