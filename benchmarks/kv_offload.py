@@ -26,8 +26,8 @@ from k3jax.model import K3Model
 from serve.engine import Engine, EngineOptions
 from serve.sampling import SamplingParams
 
-MAX_LEN, PAGE = 8192, 16
-LENGTHS = (2048, 8000)
+MAX_LEN, PAGE = 16384, 16
+LENGTHS = (2048, 8000, 16000)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
