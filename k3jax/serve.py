@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-offload-bytes", type=int, default=defaults.kv_offload_bytes,
                         help="host memory that keeps the prefix cache's evicted pages and KDA snapshots, restored "
                              "instead of recomputed (needs --enable-prefix-caching; 0: off)")
+    parser.add_argument("--sequence-parallel-prefill-tokens", type=int,
+                        help="on a mesh with data > 1, prefill a fresh prompt of at least this many tokens on every "
+                             "device, its tokens split over data (default: never)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=defaults.async_scheduling,
                         help="dispatch a steady decode batch's next step before this one's tokens reach the host")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -137,7 +140,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                          speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
                          async_scheduling=args.async_scheduling, session_cache_bytes=args.session_cache_bytes,
-                         session_ttl=args.session_ttl, kv_offload_bytes=args.kv_offload_bytes)
+                         session_ttl=args.session_ttl, kv_offload_bytes=args.kv_offload_bytes,
+                         sequence_parallel_prefill_tokens=args.sequence_parallel_prefill_tokens)
 
 
 def _positive(text: str) -> int:

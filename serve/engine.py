@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.model import K3Model
-from serve import sampling, warmup
+from serve import multihost, sampling, sequence_parallel_prefill, warmup
 from serve.detokenizer import OutputText
 from serve.dspark import speculation
 from serve.encoder_cache import DEFAULT_BUDGET_BYTES, EncoderCache
@@ -82,6 +82,9 @@ class EngineOptions:
     # Every request's tokens and logprobs independent of what else runs (see Engine): one row bucket
     # and one token bucket, prefill chunks that other requests never shorten.
     batch_invariant: bool = False
+    # On a mesh with data > 1, a prompt of at least this many tokens that the prefix cache holds none of is
+    # prefilled by every device, its tokens split over data (serve/sequence_parallel_prefill.py); None: never
+    sequence_parallel_prefill_tokens: int | None = None
     mm_encoder_cache_bytes: int = DEFAULT_BUDGET_BYTES  # the vision encoder's outputs kept (serve/encoder_cache.py)
     max_num_encoder_input_tokens: int | None = None  # image tokens encoded per step (default max_num_batched_tokens)
 
@@ -94,6 +97,9 @@ class EngineOptions:
             raise ValueError("session_cache_bytes and session_ttl must not be negative")
         if self.kv_offload_bytes < 0 or (self.kv_offload_bytes and not self.enable_prefix_caching):
             raise ValueError("kv_offload_bytes: must not be negative, and needs prefix caching")
+        if self.sequence_parallel_prefill_tokens is not None and self.sequence_parallel_prefill_tokens < 2:
+            raise ValueError("sequence_parallel_prefill_tokens must be at least 2 (a prompt's last token is "
+                             f"decoded as usual), got {self.sequence_parallel_prefill_tokens}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}")
         if self.batch_invariant and (self.enable_prefix_caching or self.speculative_config is not None):
@@ -135,6 +141,12 @@ class Engine:
         if speculator is not None and options.kv_offload_bytes:  # the draft's own pages would not come back
             raise ValueError("kv_offload_bytes: not with speculative decoding")
         groups = data_size(model.mesh)  # DP attention: one block of the pools per data group (serve/runner.py)
+        if options.sequence_parallel_prefill_tokens is not None and (
+                groups == 1 or speculator is not None or multihost.spans_processes(model.mesh)):
+            # the draft would lack the prompt's context (as for a prefilled prompt); follower processes would
+            # have to run the prefill's programs too
+            raise ValueError("sequence_parallel_prefill_tokens: needs a mesh with data > 1 in one process, and no "
+                             "speculative decoding")
         self.speculator = speculator
         self.stats_counters = speculation.SpecStats(speculator.num_speculative_tokens if speculator else 0)
         kv_bytes = jnp.dtype(kv_dtype).itemsize
@@ -221,6 +233,8 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._arrivals)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if imported is None and self._splits_over_data(ids, spans):
+            imported = sequence_parallel_prefill.handoff(self.model, ids, self.runner.pools, self.layout.page_size)
         if params.structured_outputs is not None:
             self.grammars.add(request_id, params.structured_outputs)
         request = Request(request_id, ids, params, next(self._arrivals), images=spans, cache_prompt=cache_prompt,
@@ -228,6 +242,15 @@ class Engine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _splits_over_data(self, ids: list[int], spans) -> bool:
+        """Whether a new prompt is prefilled with its tokens split over `data`: long enough, text only,
+        and nothing of it in any group's prefix cache (a hit computes less)."""
+        threshold = self.options.sequence_parallel_prefill_tokens
+        if threshold is None or len(ids) < threshold or spans:
+            return False
+        cache = self.prefix_cache
+        return cache is None or not any(cache.cached_pages(ids, g) for g in range(self.layout.groups))
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         """Adds the requests and steps until every one of them is done; their final outputs, in order

@@ -50,15 +50,19 @@ class MLAPages(NamedTuple):
     def zeros(cfg: K3Config, num_pages: int, page_size: int, dtype, scale: float = 1.0) -> "MLAPages":
         return MLAPages(jnp.zeros((num_pages, page_size, cfg.mla_cache_width), dtype), jnp.float32(scale))
 
-    def write(self, page_ids, rows_in_page, values, groups: int = 1) -> "MLAPages":
-        """Stores values [B, T, C] at (page_ids, rows_in_page) [B, T] (`groups`: DP attention's blocks,
-        `per_group`). Into fp8 pages values beyond the format's range are clamped to it (a plain cast
-        would make them NaN), as vLLM does."""
+    def stored(self, values):
+        """Cache rows as this pool stores them. Into fp8 pages values beyond the format's range are
+        clamped to it (a plain cast would make them NaN), as vLLM does."""
         stored = values.astype(jnp.float32) / self.scale
         if jnp.issubdtype(self.pages.dtype, jnp.floating) and jnp.finfo(self.pages.dtype).bits == 8:
             limit = float(jnp.finfo(self.pages.dtype).max)
             stored = jnp.clip(stored, -limit, limit)
-        stored = stored.astype(self.pages.dtype)
+        return stored.astype(self.pages.dtype)
+
+    def write(self, page_ids, rows_in_page, values, groups: int = 1) -> "MLAPages":
+        """Stores values [B, T, C] at (page_ids, rows_in_page) [B, T] (`groups`: DP attention's blocks,
+        `per_group`), as `stored`."""
+        stored = self.stored(values)
         # The barrier makes every read of the pool read the written pool: without it XLA fuses the
         # write into the attention's gather of the old pool and copies the whole pool (twice, on
         # XLA:CPU) to keep both versions, every step.

@@ -46,10 +46,13 @@ class Handoff:
         return -(-self.num_tokens // page_size)
 
     def page_rows(self, count: int):
-        """`pages` with exactly `count` entries on its first axis: cut, or padded with zeros (on the host)."""
+        """`pages` with exactly `count` entries on its first axis: cut, or padded with zeros (where they are)."""
         pages = self.pages
         if pages.shape[0] == count:
             return pages
+        if isinstance(pages, jax.Array):  # a sequence-parallel prefill's (serve/sequence_parallel_prefill.py)
+            pages = pages[:count]
+            return jnp.pad(pages, ((0, count - pages.shape[0]),) + ((0, 0),) * (pages.ndim - 1))
         pages = np.asarray(pages)[:count]
         return np.concatenate([pages, np.zeros((count - len(pages), *pages.shape[1:]), pages.dtype)])
 

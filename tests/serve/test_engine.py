@@ -11,6 +11,7 @@ import pytest
 
 from k3jax.config import K3Config
 from k3jax.model import K3Model
+from k3jax.serve import engine_options, parse_args
 from serve.engine import Engine, EngineOptions
 from serve.sampling import SamplingParams
 from sharding.mesh import make_mesh
@@ -258,6 +259,39 @@ def test_dp_attention_keeps_each_request_in_its_data_group(model, referee):
     assert outputs[-1].num_cached_tokens == 28
     check_outputs(referee, prompts, outputs)
     assert_pool_full(engine)
+
+
+@pytest.mark.isa_invariant
+def test_long_prompts_prefill_over_every_data_group(model, referee):
+    """sequence_parallel_prefill_tokens on 2x2 (model x data 2): a fresh prompt of 48 tokens or more is
+    prefilled by all four devices, its tokens split over data, and its cache written into its own
+    group's pages and slot (the engine then computes only its last token); a shorter prompt, and one
+    whose prefix the cache holds, prefill in chunks in their group as before. Every output has the
+    one-device reference's tokens and logprobs."""
+    sharded = K3Model(model.config, model.graphdef, model.params, make_mesh("2x2"))
+    engine = Engine(sharded, EngineOptions(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                                           max_prefill_chunk=16, max_prefill_rows=2, block_size=4,
+                                           enable_prefix_caching=True, sequence_parallel_prefill_tokens=48))
+    prompts, max_tokens = workload(8, 3, lengths=(50, 90), max_tokens=(6, 10))
+    prompts.insert(1, prompts[0][:20])  # short: chunked
+    prompts.append(prompts[0] + [5, 6, 7])  # extends a cached prompt: a prefix hit, chunked from there
+    max_tokens += [5, 5]
+    outputs = generate(engine, prompts[:4], max_tokens[:4]) + generate(engine, prompts[4:], max_tokens[4:])
+    # one computed prompt token for each of the 3 long prompts, all 20 of the short one, the tail of the hit
+    hit = outputs[4].num_cached_tokens
+    assert hit > 0 and engine.stats()["num_computed_prompt_tokens"] == 3 + 20 + len(prompts[4]) - hit
+    check_outputs(referee, prompts, outputs)
+    assert_pool_full(engine)
+
+
+@pytest.mark.isa_invariant
+def test_sequence_parallel_prefill_needs_data_groups(model):
+    assert engine_options(parse_args(["--sequence-parallel-prefill-tokens", "65536"])).sequence_parallel_prefill_tokens \
+        == 65536
+    with pytest.raises(ValueError, match="sequence_parallel_prefill_tokens: needs a mesh with data > 1"):
+        Engine(model, EngineOptions(sequence_parallel_prefill_tokens=64))  # one device
+    with pytest.raises(ValueError, match="sequence_parallel_prefill_tokens must be at least 2"):
+        EngineOptions(sequence_parallel_prefill_tokens=1)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(referee, engine):
