@@ -1,5 +1,5 @@
 """Structured outputs (issue 23) on the random embedded k3-tiny, which never writes JSON by chance:
-constrained outputs parse and validate for 50 schemas, regex and choice hold, constrained and free
+constrained outputs parse and validate for 24 random schemas, regex and choice hold, constrained and free
 rows share batches without changing the free rows' tokens, with prefix caching on; through the
 server, response_format and forced tool calls (official openai client).
 
@@ -51,9 +51,11 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
             "additionalProperties": False}
 
 
-def test_fifty_schemas_parse_and_validate(llm):
+def test_random_schemas_parse_and_validate(llm):
+    """Three full batches of the module's engine (50 schemas took 59 s of make test; 24 still draw
+    each kind of property 12 to 20 times, 14 of them nested objects)."""
     rng = random.Random(23)
-    schemas = [random_schema(rng) for _ in range(50)]
+    schemas = [random_schema(rng) for _ in range(24)]
     params = [SamplingParams(max_tokens=400, seed=i, structured_outputs=StructuredOutputsParams(json=schema))
               for i, schema in enumerate(schemas)]
     outputs = llm.generate(["Answer in JSON."] * len(schemas), params)
