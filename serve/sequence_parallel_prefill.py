@@ -27,13 +27,21 @@ import numpy as np
 from k3jax.layers.kda import KDACache
 from k3jax.layers.mla import MLACache, MLAPages
 from serve.disagg.handoff import Handoff
+from sharding.mesh import data_size
+
+
+def bucket_length(tokens: int, page_size: int, shards: int, conv_size: int) -> int:
+    """The padded length a prompt of `tokens` is prefilled at: a power of two (one compile each), at
+    least a KDA conv window per sequence shard, in whole pages."""
+    length = max(1 << (tokens - 1).bit_length(), shards * (conv_size - 1))
+    return -(-length // page_size) * page_size
 
 
 def handoff(model, ids: list[int], pools, page_size: int) -> Handoff:
     """The cache of `ids` but its last token, in a `Handoff`'s layout for `pools` (the engine's: its MLA
     pages' dtype and scale), computed with the tokens split over `data`. Device arrays."""
     cached = ids[:-1]
-    bucket = max(1 << (len(cached) - 1).bit_length(), page_size)  # a power of two, whole pages
+    bucket = bucket_length(len(cached), page_size, data_size(model.mesh), model.config.kda_conv_size)
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :len(cached)] = cached
     _, cache = model.prefill_sequence_parallel(tokens, [len(cached)], max_len=bucket)

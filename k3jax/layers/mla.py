@@ -4,8 +4,8 @@ A prefill uses the naive form (keys and values expanded per head from the latent
 absorbed form straight over the latent cache of [normalised latent | shared key] rows. Over the
 serving engine's pages, a step of a few tokens per row (a speculative verify window) uses the
 absorbed form too, a long chunk the naive form expanded a block of pages at a time
-(`absorbed_is_cheaper`). The
-DSpark draft's attention is this layer too (RoPE, no gate), with `attend_block` for its block of rows.
+(`absorbed_is_cheaper`). The DSpark draft's attention is this layer too (RoPE, no gate), with
+`attend_block` for its block of rows.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from k3jax.model import K3Model
 from k3jax.serve import engine_options, parse_args
 from serve.engine import Engine, EngineOptions
 from serve.sampling import SamplingParams
+from serve.sequence_parallel_prefill import bucket_length
 from sharding.mesh import make_mesh
 from tests.agreement import Referee
 
@@ -292,6 +293,9 @@ def test_sequence_parallel_prefill_needs_data_groups(model):
         Engine(model, EngineOptions(sequence_parallel_prefill_tokens=64))  # one device
     with pytest.raises(ValueError, match="sequence_parallel_prefill_tokens must be at least 2"):
         EngineOptions(sequence_parallel_prefill_tokens=1)
+    # prefilled at a power of two, in whole pages, and long enough for a conv window (3) in each shard
+    assert [bucket_length(n, 16, 2, 4) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    assert bucket_length(5, 4, 8, 4) == 24 and bucket_length(5, 16, 8, 4) == 32
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(referee, engine):
