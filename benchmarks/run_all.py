@@ -33,6 +33,7 @@ BENCHMARKS = (
     "kda_chunked_vs_recurrent",
     "sequence_parallel_prefill",
     "long_context",
+    "max_model_len",
     "session_retention",
     "kv_offload",
     "decode_compile_time",
