@@ -270,17 +270,19 @@ def test_long_prompts_prefill_over_every_data_group(model, referee):
     whose prefix the cache holds, prefill in chunks in their group as before. Every output has the
     one-device reference's tokens and logprobs."""
     sharded = K3Model(model.config, model.graphdef, model.params, make_mesh("2x2"))
-    engine = Engine(sharded, EngineOptions(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+    engine = Engine(sharded, EngineOptions(max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32,
                                            max_prefill_chunk=16, max_prefill_rows=2, block_size=4,
                                            enable_prefix_caching=True, sequence_parallel_prefill_tokens=48))
-    prompts, max_tokens = workload(8, 3, lengths=(50, 90), max_tokens=(6, 10))
+    # one request a group at a time (two rows): few step shapes; the long prompts' 49-63 cached tokens
+    # make one prefill program (64 tokens)
+    prompts, max_tokens = workload(8, 2, lengths=(50, 65), max_tokens=(4, 8))
     prompts.insert(1, prompts[0][:20])  # short: chunked
     prompts.append(prompts[0] + [5, 6, 7])  # extends a cached prompt: a prefix hit, chunked from there
     max_tokens += [5, 5]
-    outputs = generate(engine, prompts[:4], max_tokens[:4]) + generate(engine, prompts[4:], max_tokens[4:])
-    # one computed prompt token for each of the 3 long prompts, all 20 of the short one, the tail of the hit
-    hit = outputs[4].num_cached_tokens
-    assert hit > 0 and engine.stats()["num_computed_prompt_tokens"] == 3 + 20 + len(prompts[4]) - hit
+    outputs = generate(engine, prompts[:3], max_tokens[:3]) + generate(engine, prompts[3:], max_tokens[3:])
+    # one computed prompt token for each of the 2 long prompts, all 20 of the short one, the tail of the hit
+    hit = outputs[3].num_cached_tokens
+    assert hit > 0 and engine.stats()["num_computed_prompt_tokens"] == 2 + 20 + len(prompts[3]) - hit
     check_outputs(referee, prompts, outputs)
     assert_pool_full(engine)
 
