@@ -205,17 +205,18 @@ class K3Transformer(nnx.Module):
         h, caches, _ = self._layers(tokens, batch, state.layers, None)
         return ExtendOut(self._head(h), DecodeState(caches, batch.offsets + batch.lengths))
 
-    def prefill_sequence_parallel(self, tokens, lengths) -> ExtendOut:
+    def prefill_sequence_parallel(self, tokens, lengths, *, last_only: bool = False) -> ExtendOut:
         """A fresh prefill (no cached tokens) whose tokens [B, T] are split over the `data` axis of the
         mesh set around the call, T / data consecutive tokens per shard (k3jax/sequence_parallel.py):
         what crosses the shards (KDA conv windows and states, MLA cache rows) is passed in the layers.
-        The same result as `extend` from an empty cache of T tokens."""
+        The same result as `extend` from an empty cache of T tokens (`last_only`: logits of each row's
+        last real token only, [B, V], as `step`'s)."""
         batch = _batch(tokens, lengths, sequence_parallel=True)
         # The MLA caches of a fresh prefill are exactly its new rows: the layers make them, so the
         # empty caches passed in hold no tokens.
         empty = init_cache(self.cfg, tokens.shape[0], 0, self.dtype)
         h, caches, _ = self._layers(tokens, batch, empty.layers, None)
-        return ExtendOut(self._head(h), DecodeState(caches, batch.lengths))
+        return ExtendOut(self._head(h, lengths if last_only else None), DecodeState(caches, batch.lengths))
 
     def step(self, tokens, lengths, state: PagedState, *, last_only: bool = False,
              taps: TapSpec | None = None, embeds=None) -> StepOut:

@@ -205,11 +205,14 @@ class K3Model:
         logits, cache = self._run(_extend, tokens, lengths, cache)
         return _first_rows(logits, tokens.shape[0]), cache
 
-    def prefill_sequence_parallel(self, input_ids, lengths=None, *, max_len: int | None = None):
+    def prefill_sequence_parallel(self, input_ids, lengths=None, *, max_len: int | None = None,
+                                  last_only: bool = False):
         """`prefill` from an empty cache with each prompt's tokens split over the mesh's `data` axis
         (k3jax/sequence_parallel.py), for prompts too long for one data group's devices: the same
         (logits, cache), to fp32 rounding, and `decode` continues from the cache. A separate entry
-        point, since it cannot continue a cache (no `cache=`) and needs a mesh."""
+        point, since it cannot continue a cache (no `cache=`) and needs a mesh. `last_only`: the
+        logits of each prompt's last token only, [B, vocab] (every position's are vocab floats a token:
+        at K3's 163840, more than the cache of a long prompt)."""
         if self.mesh is None:
             raise ValueError("prefill_sequence_parallel splits the prompt over a mesh's data axis; this model has no mesh")
         tokens, lengths = self._tokens(input_ids, lengths)
@@ -223,8 +226,8 @@ class K3Model:
             logits, cache = sequence_parallel.prefill(
                 self.structure, self.param_leaves, put(tokens, NamedSharding(self.mesh, PartitionSpec(None, DATA))),
                 put(lengths, NamedSharding(self.mesh, PartitionSpec())), mesh=self.mesh,
-                rows=self._padded_rows(b), max_len=max_len)
-        return logits[:, :t], cache
+                rows=self._padded_rows(b), max_len=max_len, last_only=last_only)
+        return (logits if last_only else logits[:, :t]), cache
 
     def decode(self, tokens, cache: DecodeState):
         """One token per sequence: tokens [B] -> (logits float32 [B, vocab], cache)."""

@@ -41,11 +41,12 @@ def padded_length(length: int, shards: int, conv_size: int) -> int:
     return per_shard * shards
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "mesh", "rows", "max_len"))
-def prefill(structure, params, tokens, lengths, *, mesh, rows: int, max_len: int):
+@functools.partial(jax.jit, static_argnames=("structure", "mesh", "rows", "max_len", "last_only"))
+def prefill(structure, params, tokens, lengths, *, mesh, rows: int, max_len: int, last_only: bool = False):
     """tokens [B, T] (T a multiple of the data size, split over `data`), lengths [B] -> (logits
-    float32 [B, T, vocab], a DecodeState of `rows` rows and `max_len` MLA rows per sequence)."""
-    logits, state = structure.merge(params).prefill_sequence_parallel(tokens, lengths)
+    float32 [B, T, vocab], or [B, vocab] of each row's last real token with `last_only`, a
+    DecodeState of `rows` rows and `max_len` MLA rows per sequence)."""
+    logits, state = structure.merge(params).prefill_sequence_parallel(tokens, lengths, last_only=last_only)
     cache = DecodeState(tuple(_decode_layout(c, rows, max_len, mesh) for c in state.layers),
                         _pad_rows(state.lengths, rows))
     return logits, jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))

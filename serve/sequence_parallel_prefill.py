@@ -44,7 +44,7 @@ def handoff(model, ids: list[int], pools, page_size: int) -> Handoff:
     bucket = bucket_length(len(cached), page_size, data_size(model.mesh), model.config.kda_conv_size)
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :len(cached)] = cached
-    _, cache = model.prefill_sequence_parallel(tokens, [len(cached)], max_len=bucket)
+    _, cache = model.prefill_sequence_parallel(tokens, [len(cached)], max_len=bucket, last_only=True)
     mla = [layer for layer in cache.layers if isinstance(layer, MLACache)]
     kda = [layer for layer in cache.layers if isinstance(layer, KDACache)]
     page_pools = [pool for pool in pools if isinstance(pool, MLAPages)]

@@ -155,6 +155,16 @@ def test_split_prefill_gives_the_plain_prefill_and_decode(plain, mesh):
     assert _relative(steps, want_steps) <= REL, mesh
 
 
+def test_last_only_gives_each_prompts_last_logits(plain):
+    """What the engine asks for (serve/sequence_parallel_prefill.py): the logits of each prompt's last
+    real token only, [B, vocab], the unsplit run's at those positions."""
+    prompt, _, want_logits, _, _ = plain
+    model = K3Model.random(k3_tiny(), dtype="float32", seed=0, mesh="4x4").with_fixed_routing()
+    logits, _ = model.prefill_sequence_parallel(prompt, LENGTHS, last_only=True)
+    assert logits.shape == (len(LENGTHS), want_logits.shape[-1])
+    assert _relative(logits, want_logits[np.arange(len(LENGTHS)), LENGTHS - 1]) <= REL
+
+
 def test_refusals():
     model = K3Model.random(k3_tiny(), dtype="float32", seed=0)
     with pytest.raises(ValueError, match="has no mesh"):
