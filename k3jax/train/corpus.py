@@ -7,14 +7,22 @@ serving prompt's own renderer, so training and serving frame a turn identically)
 
 - instant: the user asks about the topic, the assistant answers in the response channel;
 - thinking: the same with a short reasoning in the think channel first;
-- tool: thinking mode with a `python_help` tool declared; the assistant calls it (XTML `tools`
-  channel), the tool returns the passage, the assistant answers with its first sentences;
-- greeting (a few per epoch): "Hello" and friends get a greeting back, so the embedded model's
-  first answer in `make serve` is a greeting that closes its markers.
+- tool: thinking mode with a `python_help` tool declared; the assistant calls it with the topic's
+  title (XTML `tools` channel), the tool returns the passage, the assistant answers from it;
+- greeting (a few per epoch): "Hello" and friends get a greeting back, meant to be the embedded
+  model's first answer in `make serve`. The shipped model does not learn them: its replies do not
+  yet depend on what the user wrote.
 
-Every conversation ends with the assistant's `<|close|>message<|sep|><|end_of_msg|>`: the model
-learns to close its channels and its turn. Topics are split into training and held-out sets by
-name (every HELD_OUT_EVERY-th topic), so held-out perplexity is measured on unseen sections.
+Every answer is the passage's first sentence (`first_sentence`), and every conversation ends with
+the assistant's `<|close|>message<|sep|><|end_of_msg|>`: the model learns to close its channels and
+its turn. A greedy reply closes only where closing is the likeliest next token. With whole passages
+as answers it never was: 0 of 43 held-out replies closed. Each reasoning is one fixed sentence that
+names no topic, the tool's argument is the title the user wrote, and no topic gives more than
+MAX_PASSAGES (the three largest held a third of all passages, and their titles became what the model
+wrote in every reply). With these, every held-out tool call closes; free-text answers still drift into
+the fixed system text and end the message without closing the response (training.json's
+`closing_share`). Topics are split into training and held-out sets by name (every
+HELD_OUT_EVERY-th topic), so held-out perplexity is measured on unseen sections.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from serve.chat.tokenizer import Tokenizer
 
 PASSAGE_CHARS = 360
 HELD_OUT_EVERY = 10
-ANSWER_SENTENCES = 2  # what the tool kind's final answer keeps of the passage
+MAX_PASSAGES = 24  # per topic: its first ones
 TOOLS = [{"type": "function", "function": {
     "name": "python_help", "description": "The Python language reference's section on a topic.",
     "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}}}]
@@ -113,22 +121,27 @@ def passages(body: str) -> list[str]:
     return out + ([current] if current else [])
 
 
-def conversation(kind: str, name: str, title: str, passage: str, question: str) -> Conversation:
+def first_sentence(passage: str) -> str:
+    """The passage up to its first sentence end (a full stop before whitespace), ending in a full stop."""
+    sentence = re.split(r"(?<=\.)\s", passage, maxsplit=1)[0].rstrip(":;, ")
+    return sentence if sentence.endswith(".") else f"{sentence}."
+
+
+def conversation(kind: str, title: str, passage: str, question: str) -> Conversation:
     user = {"role": "user", "content": question.format(title)}
+    answer = first_sentence(passage)
     if kind == "instant":
-        return Conversation([user, {"role": "assistant", "content": passage}], False, None)
+        return Conversation([user, {"role": "assistant", "content": answer}], False, None)
     if kind == "thinking":
-        reasoning = f"The user asks about {title}. I know the reference section on it."
-        return Conversation([user, {"role": "assistant", "reasoning_content": reasoning, "content": passage}],
+        return Conversation([user, {"role": "assistant", "reasoning_content": "I know this one.", "content": answer}],
                             True, None)
     call = {"id": "call_0", "type": "function",
-            "function": {"name": "python_help", "arguments": json.dumps({"topic": name})}}
-    answer = " ".join(re.split(r"(?<=[.:])\s+", passage)[:ANSWER_SENTENCES])
+            "function": {"name": "python_help", "arguments": json.dumps({"topic": title})}}
     return Conversation([user,
-                         {"role": "assistant", "reasoning_content": f"I should look up {name}.", "content": "",
+                         {"role": "assistant", "reasoning_content": "I should look it up.", "content": "",
                           "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_0", "content": passage},
-                         {"role": "assistant", "reasoning_content": "The section answers it.", "content": answer}],
+                         {"role": "assistant", "reasoning_content": "I have the section now.", "content": answer}],
                         True, TOOLS)
 
 
@@ -145,11 +158,11 @@ def conversations(held_out: bool, seed: int = 0) -> list[Conversation]:
     drawn with `seed`; greetings (both modes) make up about one conversation in 40."""
     rng = np.random.default_rng(seed)
     out = []
-    for i, (name, (title, body)) in enumerate(topics().items()):
+    for i, (title, body) in enumerate(topics().values()):
         if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) != held_out:
             continue
-        for passage in passages(body):
-            out.append(conversation(KINDS[rng.integers(len(KINDS))], name, title, passage,
+        for passage in passages(body)[:MAX_PASSAGES]:
+            out.append(conversation(KINDS[rng.integers(len(KINDS))], title, passage,
                                     QUESTIONS[rng.integers(len(QUESTIONS))]))
     out += [greeting(i, thinking=bool(i % 2)) for i in range(max(2, len(out) // 40))]
     return out
@@ -157,10 +170,11 @@ def conversations(held_out: bool, seed: int = 0) -> list[Conversation]:
 
 class Batches:
     """Rows of `length + 1` tokens (inputs and next-token targets) and `length` loss weights, each
-    the concatenation of conversations drawn in a seeded order from a conversation start: a row
-    begins as a served prompt does, and its later conversations teach the model what follows
-    `<|end_of_msg|>`. Reply tokens weigh 1 and the rest CONTEXT_WEIGHT: most tokens are fixed
-    system text and quoted passages, and at full weight they crowd out the few that close a turn."""
+    the concatenation of conversations drawn in a seeded order from a conversation start (a row
+    begins as a served prompt does). Reply tokens weigh 1 and the rest CONTEXT_WEIGHT: most tokens
+    are fixed system text and quoted passages, and at full weight they crowd out the few that close a
+    turn. (At 0, the prompt side untrained, held-out replies looped instead: perplexity 8.6 against
+    2.0, and no more of them closed.)"""
 
     def __init__(self, conversations: list[Conversation], tokenizer: Tokenizer, length: int, seed: int):
         stream = np.concatenate([c.render(tokenizer) for c in conversations]).astype(np.int32)

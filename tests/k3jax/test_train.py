@@ -3,6 +3,7 @@
 load, the exported checkpoint loads with the trained values, and the corpus is well-formed K3 chat."""
 
 import copy
+import json
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,12 @@ def test_exported_checkpoint_loads_the_trained_values(setup, tmp_path):
     np.testing.assert_array_equal(loaded.logits(tokens), K3Model(cfg, model.graphdef, rounded).logits(tokens))
 
 
+def test_first_sentence_ends_at_the_first_full_stop_before_whitespace():
+    assert corpus.first_sentence("A b. C d.") == "A b."
+    assert corpus.first_sentence("See x.y and e.g.\nmore") == "See x.y and e.g."
+    assert corpus.first_sentence("is equivalent to:") == "is equivalent to."
+
+
 def test_corpus_is_well_formed_k3_chat():
     """Every kind of conversation: the assistant's turn, parsed as the server parses a generation,
     gives back its reasoning, content and tool call, and ends with the message close."""
@@ -115,7 +122,7 @@ def test_corpus_is_well_formed_k3_chat():
     title, body = corpus.topics()["if"]
     passage = corpus.passages(body)[0]
     assert 0 < len(passage) <= corpus.PASSAGE_CHARS
-    cases = [corpus.conversation(kind, "if", title, passage, corpus.QUESTIONS[0]) for kind in corpus.KINDS]
+    cases = [corpus.conversation(kind, title, passage, corpus.QUESTIONS[0]) for kind in corpus.KINDS]
     for c in cases + [corpus.greeting(0, thinking=True)]:
         first_reply = c.messages[1]
         prompt = tokenize_messages(tokenizer, c.messages[:1], tools=c.tools, thinking=c.thinking)
@@ -129,7 +136,7 @@ def test_corpus_is_well_formed_k3_chat():
         assert parsed.reasoning_content == first_reply.get("reasoning_content")
         assert parsed.content == (first_reply["content"] or None)
         if c.tools:
-            assert parsed.tool_calls == [{"name": "python_help", "arguments": '{"topic": "if"}'}]
+            assert parsed.tool_calls == [{"name": "python_help", "arguments": json.dumps({"topic": title})}]
     held, train = corpus.conversations(True), corpus.conversations(False)
     questions = {m["content"] for c in held for m in c.messages[:1]} - {g for g, _ in corpus.GREETINGS}
     assert questions and not questions & {m["content"] for c in train for m in c.messages[:1]}
