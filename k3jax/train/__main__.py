@@ -1,6 +1,6 @@
 """python -m k3jax.train: trains the embedded k3-tiny and writes it where `LLM()` loads it by default.
 
-    python -m k3jax.train [--out k3jax/weights] [--steps 120] [--seed 0] [--stage all|text|vision|draft]   (make weights)
+    python -m k3jax.train [--out k3jax/weights] [--steps 160] [--seed 0] [--stage all|text|vision|draft]   (make weights)
 
 The default (`all`, what `make weights` runs) is the text stage, then the vision stage; together they
 write the shipped k3jax/weights/k3-tiny. The text stage trains the decoder on the chat corpus and
