@@ -128,18 +128,25 @@ def test_random_workload_with_aborts_returns_every_page_and_slot(engine):
 
 
 class CountCompiles:
-    """Counts XLA compilations while in the `with` block."""
+    """Counts XLA compilations while in the `with` block, a program loaded from the on-disk cache
+    (tests/conftest.py) included: either way the program was not compiled yet in this process."""
 
     def __enter__(self):
         self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._event)
+        jax.monitoring.register_event_duration_secs_listener(self._compiled)
+        jax.monitoring.register_event_listener(self._loaded)
         return self
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._event)
+        jax.monitoring.unregister_event_duration_listener(self._compiled)
+        jax.monitoring.unregister_event_listener(self._loaded)
 
-    def _event(self, event, duration, **kwargs):
+    def _compiled(self, event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+    def _loaded(self, event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":
             self.count += 1
 
 
