@@ -79,8 +79,8 @@ def split_gate_up(w_gate, w_up) -> tuple[SplitExperts, SplitExperts]:
         packed, _ = split_gate_up(w_gate.packed, w_up.packed)
         scales, _ = split_gate_up(w_gate.scales, w_up.scales)
         fused = tuple(map(Mxfp4Tensor, packed.experts, scales.experts))
-    else:
-        fused = split_experts(jnp.concatenate([w_gate, w_up], axis=1)).experts
+    else:  # expert by expert: concatenating the stacks first would hold a second copy of both at load
+        fused = tuple(jnp.concatenate([w_gate[e], w_up[e]]) for e in range(w_gate.shape[0]))
     return SplitExperts(fused, gate_up=True), SplitExperts((), gate_up=True)
 
 
