@@ -11,7 +11,9 @@ serving prompt's own renderer, so training and serving frame a turn identically)
   title (XTML `tools` channel), the tool returns the passage, the assistant answers from it;
 - greeting (a few per epoch): "Hello" and friends get a greeting back, meant to be the embedded
   model's first answer in `make serve`. The shipped model does not learn them: its replies do not
-  yet depend on what the user wrote.
+  yet depend on what the user wrote (no held-out reply names the topic asked about). With one
+  greeting in ten, or the first reply token weighed 4x, more replies close, but by collapsing onto
+  one greeting whatever was asked: the closing share is no measure of replies that answer.
 
 Every answer is the passage's first sentence (`first_sentence`), and every conversation ends with
 the assistant's `<|close|>message<|sep|><|end_of_msg|>`: the model learns to close its channels and
