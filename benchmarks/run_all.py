@@ -24,6 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = (
     "compare_transformers",  # needs a Python with torch + transformers (benchmarks/README.md)
     "tiny_decode",
+    "train_moe",
     "engine_throughput",
     "batch_invariant",
     "sampling_noise",

@@ -23,15 +23,16 @@ from sharding.expert_parallel import context_mesh, expert_parallel_moe
 
 # Training (k3jax.train) needs gradients through the routed experts, but XLA:CPU's default grouped
 # matmul (pallas_kernels.moe.xla's "loop") runs fori_loops with data-dependent trip counts, which JAX
-# cannot reverse-differentiate; its "ragged_dot" strategy can. The list `training_moe` sets collects
+# cannot reverse-differentiate; its "dense" strategy (every token through every expert, gated) can,
+# and for the small pools trained here is the fastest on CPU. The list `training_moe` sets collects
 # each MoE layer's expert load (tokens per expert) for the router's bias update.
 _TRAINING: contextvars.ContextVar[list | None] = contextvars.ContextVar("k3jax_training_moe", default=None)
 
 
 @contextlib.contextmanager
 def training_moe():
-    """While tracing inside this context the routed experts run a differentiable grouped matmul
-    (`lax.ragged_dot`), and every MoE layer appends its expert load int32 [E] to the yielded list
+    """While tracing inside this context the routed experts run differentiably (every token through
+    every expert, weighed by its gates: pallas_kernels.moe.xla's "dense"), and every MoE layer appends its expert load int32 [E] to the yielded list
     (tracers: return them from the traced function)."""
     loads: list = []
     token = _TRAINING.set(loads)
@@ -81,7 +82,7 @@ class RoutedExperts(nnx.Module):
         weights = (_value(self.w1), _value(self.w3), _value(self.w2))
         mesh = context_mesh()
         if mesh is None and _TRAINING.get() is not None:
-            return moe_xla.moe_ffn(x, topk_ids, topk_weights, *weights, activation=activation, strategy="ragged_dot")
+            return moe_xla.moe_ffn(x, topk_ids, topk_weights, *weights, activation=activation, strategy="dense")
         if mesh is None:
             return moe_ops.moe_ffn(x, topk_ids, topk_weights, *weights, activation=activation)
 

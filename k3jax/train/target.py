@@ -2,7 +2,7 @@
 
 The experts train as dense fp32 arrays (the training config drops `quantization_config`) and are
 quantized to MXFP4 at export (`k3jax.train.export`). The MoE path is differentiable inside
-`k3jax.layers.ffn.training_moe` (the experts' `lax.ragged_dot` strategy), which also reports each
+`k3jax.layers.ffn.training_moe` (every token through every expert, gated), which also reports each
 MoE layer's expert load: the router's correction bias follows DeepSeek-V3's auxiliary-loss-free
 balancing (`noaux_tc`), raised by BIAS_RATE for experts below the mean load and lowered for those
 above after every step, while the router's weights learn from the loss through the gate weights.

@@ -18,6 +18,7 @@ DTYPES = {"f32": (jnp.float32, np.float32), "bf16": (jnp.bfloat16, ml_dtypes.bfl
 # "split" is the loop over SplitExperts weights (one buffer per expert, large experts on CPU), and
 # "split_gate_up" the same with each expert's gate and up in one buffer (K3Model's CPU layout).
 IMPLS = ["loop", "split", "split_gate_up", "ragged_dot", "reference"]
+MOE_IMPLS = IMPLS + ["dense"]  # moe_ffn's training strategy: every token through every expert, gated
 SPLITS = {"split": lambda w1, w3, w2: tuple(map(split_experts, (w1, w3, w2))),
           "split_gate_up": lambda w1, w3, w2: (*split_gate_up(w1, w3), split_experts(w2))}
 
@@ -98,7 +99,7 @@ ALL_COMBOS = MAIN_COMBOS + [("mxfp4", "f32"), ("plain", "bf16")]
 
 
 # The weight kind and dtype handling is shared by the strategies: all combinations on the CPU default.
-@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in IMPLS for c in (ALL_COMBOS if i in ("loop", *SPLITS) else
+@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in MOE_IMPLS for c in (ALL_COMBOS if i in ("loop", *SPLITS) else
                                                                                   MAIN_COMBOS)])
 def test_moe_ffn_matches_numpy(impl, wkind, dtype):
     ws = weights(wkind)
@@ -186,6 +187,26 @@ def test_split_experts_through_the_public_api():
             moe_ffn(x, ids, wts, w_gate, w_up, split_experts(ws[2]), activation=SITU)
 
 
+def test_dense_gradients_match_ragged_dot():
+    """Training differentiates the "dense" strategy: its gradients with respect to the rows, the gate
+    weights and every expert weight equal those through lax.ragged_dot (the routed products)."""
+    ws = weights("plain")
+    x, _ = inputs("f32", 20, 3)
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(np.stack([rng.choice(E, 3, replace=False) for _ in range(20)]), jnp.int32)
+    wts = jnp.asarray(rng.uniform(0, 1, (20, 3)), jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((20, D)), jnp.float32)
+
+    def grads(strategy):
+        loss = lambda x, wts, *ws: jnp.sum(probe * xla.moe_ffn(x, ids, wts, *ws, activation=SITU,  # noqa: E731
+                                                              strategy=strategy))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, wts, *ws)
+
+    for got, want in zip(grads("dense"), grads("ragged_dot")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * np.abs(want).max())
+    assert np.abs(np.asarray(grads("dense")[2])).max() > 0
+
+
 @pytest.mark.parametrize("impl", ["auto", "reference"])
 def test_no_tokens(impl):
     ws = weights("mxfp4")
@@ -210,5 +231,7 @@ def test_bad_arguments_name_the_problem():
         expert_ffn(x, jnp.zeros((3,), jnp.int32), *ws, activation=SILU)
     with pytest.raises(ValueError, match="unknown impl 'triton'"):
         moe_ffn(x, ids, wts, *ws, activation=SILU, impl="triton")
-    with pytest.raises(ValueError, match="unknown grouped-matmul strategy 'dense'"):
-        xla.moe_ffn(x, ids, wts, *ws, activation=SILU, strategy="dense")
+    with pytest.raises(ValueError, match="unknown grouped-matmul strategy 'sorted'"):
+        xla.moe_ffn(x, ids, wts, *ws, activation=SILU, strategy="sorted")
+    with pytest.raises(ValueError, match="'dense' is moe_ffn's alone"):
+        xla.expert_ffn(x, jnp.array([2] + [0] * (E - 1)), *ws, activation=SILU, strategy="dense")
