@@ -48,7 +48,7 @@ serve: $(STAMP)
 
 # The embedded k3-tiny that LLM() and make serve load (k3jax/weights/k3-tiny): trained in JAX on
 # pydoc_data.topics in K3's chat format, then its tiny vision tower against the frozen text model,
-# deterministic given the seed (k3jax/train/; about 17 + 14 minutes on 2 cores). The tower exercises
+# deterministic given the seed (k3jax/train/; about 25 + 10 minutes on 2 cores). The tower exercises
 # the image path but does not see: held-out captions at chance (no reply of 100 names a colour; chance 0.25).
 weights: $(STAMP)
 	$(PY) -m k3jax.train

@@ -1,14 +1,14 @@
 """python -m k3jax.train: trains the embedded k3-tiny and writes it where `LLM()` loads it by default.
 
-    python -m k3jax.train [--out k3jax/weights] [--steps 160] [--seed 0] [--stage all|text|vision|draft]   (make weights)
+    python -m k3jax.train [--out k3jax/weights] [--steps 400] [--seed 0] [--stage all|text|vision|draft]   (make weights)
 
 The default (`all`, what `make weights` runs) is the text stage, then the vision stage; together they
 write the shipped k3jax/weights/k3-tiny. The text stage trains the decoder on the chat corpus and
 writes OUT/k3-tiny (config.json, bf16 safetensors with MXFP4 experts, the byte-level tokenizer) and
 OUT/k3-tiny/training.json: the options, the training time, the loss curve, held-out perplexity of the
-written checkpoint against the unigram baseline, the share of greedy chat replies that close their
-markers, and each MoE layer's expert load over the last 20 steps. The vision stage
-(`k3jax.train.vision`) then trains the tiny vision tower and projector against the frozen text model,
+written checkpoint against the unigram baseline, the shares of greedy chat replies that close their
+markers and that name the topic asked, and each MoE layer's expert load over the last 20 steps. The
+vision stage (`k3jax.train.vision`) then trains the tiny vision tower and projector against the frozen text model,
 adds them to OUT/k3-tiny beside the text tensors (checked to be the text stage's byte for byte) and
 adds to training.json, under "vision", its options, time, losses and the held-out caption accuracy
 against chance. `--stage vision` runs it alone on the checkpoint already in OUT (replacing a tower
@@ -49,8 +49,8 @@ WEIGHTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def text_figures(model, seed: int) -> dict:
-    """The text model's held-out figures: perplexity against the unigram baseline, and the share of
-    greedy chat replies that close their markers."""
+    """The text model's held-out figures: perplexity against the unigram baseline, and the shares of
+    greedy chat replies that close their markers and that are about the topic asked."""
     cfg = training_config(PRESETS[MODEL])
     tokenizer = corpus.byte_tokenizer(cfg)
     train_tokens = np.concatenate([c.render(tokenizer) for c in corpus.conversations(False, seed)])
@@ -58,7 +58,7 @@ def text_figures(model, seed: int) -> dict:
     held_lists = [c.render(tokenizer) for c in held_out]
     return dict(held_out_perplexity=metrics.perplexity(model, held_lists),
                 unigram_perplexity=corpus.unigram_perplexity(train_tokens, np.concatenate(held_lists), cfg.vocab_size),
-                closing_share=metrics.closing_share(model, tokenizer, held_out),
+                **metrics.reply_figures(model, tokenizer, held_out),
                 held_out_conversations=len(held_out))
 
 

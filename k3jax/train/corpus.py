@@ -21,10 +21,12 @@ its turn. A greedy reply closes only where closing is the likeliest next token. 
 as answers it never was: 0 of 43 held-out replies closed. Each reasoning is one fixed sentence that
 names no topic, the tool's argument is the title the user wrote, and no topic gives more than
 MAX_PASSAGES (the three largest held a third of all passages, and their titles became what the model
-wrote in every reply). With these, every held-out tool call closes; free-text answers still drift into
-the fixed system text and end the message without closing the response (training.json's
-`closing_share`). Topics are split into training and held-out sets by name (every
-HELD_OUT_EVERY-th topic), so held-out perplexity is measured on unseen sections.
+wrote in every reply). With these and 400 steps, every held-out tool call and most thinking replies
+close; instant answers drift into the tool declaration's JSON without closing the response
+(training.json's `closing_share`). No reply names the topic asked (`topic_share`): answers that
+began by restating it ("{title}: {first sentence}", 400 steps) named it in none of 41 held-out
+replies either, and fewer closed (14 of 43 against 29). Topics are split into training and held-out
+sets by name (every HELD_OUT_EVERY-th topic), so held-out perplexity is measured on unseen sections.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Conversation:
     messages: list[dict]
     thinking: bool
     tools: list[dict] | None
+    topic: str | None = None  # the title the user asked about (None: a greeting)
 
     def render(self, tokenizer: Tokenizer) -> list[int]:
         return tokenize_messages(tokenizer, self.messages, tools=self.tools, thinking=self.thinking,
@@ -80,7 +83,7 @@ class Conversation:
         return mask
 
     def prompt(self, tokenizer: Tokenizer) -> list[int]:
-        """The first user turn as a serving prompt (what a model continues in `closing_share`)."""
+        """The first user turn as a serving prompt (what a model continues in `metrics.reply_figures`)."""
         first = self.messages[:1]
         return tokenize_messages(tokenizer, first, tools=self.tools, thinking=self.thinking)
 
@@ -133,10 +136,10 @@ def conversation(kind: str, title: str, passage: str, question: str) -> Conversa
     user = {"role": "user", "content": question.format(title)}
     answer = first_sentence(passage)
     if kind == "instant":
-        return Conversation([user, {"role": "assistant", "content": answer}], False, None)
+        return Conversation([user, {"role": "assistant", "content": answer}], False, None, title)
     if kind == "thinking":
         return Conversation([user, {"role": "assistant", "reasoning_content": "I know this one.", "content": answer}],
-                            True, None)
+                            True, None, title)
     call = {"id": "call_0", "type": "function",
             "function": {"name": "python_help", "arguments": json.dumps({"topic": title})}}
     return Conversation([user,
@@ -144,7 +147,7 @@ def conversation(kind: str, title: str, passage: str, question: str) -> Conversa
                           "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_0", "content": passage},
                          {"role": "assistant", "reasoning_content": "I have the section now.", "content": answer}],
-                        True, TOOLS)
+                        True, TOOLS, title)
 
 
 def greeting(index: int, thinking: bool) -> Conversation:

@@ -1,7 +1,10 @@
-"""What the trained model is measured by: held-out perplexity, and whether its chat replies close
-their markers the way K3's format asks (served through the engine, parsed by serve/chat)."""
+"""What the trained model is measured by: held-out perplexity, whether its chat replies close
+their markers the way K3's format asks, and whether they are about what was asked (served through
+the engine, parsed by serve/chat)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -49,6 +52,24 @@ def closes_markers(text: str, finish_reason: str, conversation: Conversation) ->
     return bool(parsed.tool_calls) if conversation.tools else bool(parsed.content)
 
 
+def names_topic(text: str, conversation: Conversation) -> bool:
+    """Whether a reply (special tokens kept) is about the topic the user named: with tools declared,
+    a tool call whose `topic` argument is the title; otherwise content holding the title (both
+    case-insensitive)."""
+    topic = conversation.topic.lower()
+    parsed = parse_output(text.removesuffix(END_OF_MESSAGE), thinking=conversation.thinking, tools=conversation.tools)
+    if not conversation.tools:
+        return topic in (parsed.content or "").lower()
+    for call in parsed.tool_calls or []:
+        try:
+            argument = json.loads(call["arguments"]).get("topic")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(argument, str) and argument.lower() == topic:
+            return True
+    return False
+
+
 def replies(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> list[tuple[str, str]]:
     """(text with special tokens, finish reason) of the greedy reply to each conversation's first turn."""
     engine = Engine(model, EngineOptions(max_model_len=2048, max_num_seqs=8), tokenizer=tokenizer)
@@ -58,7 +79,10 @@ def replies(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversati
     return [(o.text, o.finish_reason) for o in outputs]
 
 
-def closing_share(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> float:
-    """The share of greedy replies that `closes_markers`."""
+def reply_figures(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> dict:
+    """Of the greedy replies to `conversations`: the share that `closes_markers`, and of those asking
+    about a topic, the share that `names_topic`."""
     done = replies(model, tokenizer, conversations)
-    return float(np.mean([closes_markers(text, reason, c) for (text, reason), c in zip(done, conversations)]))
+    closes = [closes_markers(text, reason, c) for (text, reason), c in zip(done, conversations)]
+    on_topic = [names_topic(text, c) for (text, _), c in zip(done, conversations) if c.topic is not None]
+    return dict(closing_share=float(np.mean(closes)), topic_share=float(np.mean(on_topic)))

@@ -31,7 +31,7 @@ BIAS = "e_score_correction_bias"
 
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
-    steps: int = 160
+    steps: int = 400
     batch: int = 4
     length: int = 1024  # tokens a row predicts: most conversations fit whole (their median is 558)
     lr: float = 4e-3

@@ -3,6 +3,7 @@
 load, the exported checkpoint loads with the trained values, and the corpus is well-formed K3 chat."""
 
 import copy
+import dataclasses
 import json
 
 import jax
@@ -16,7 +17,7 @@ import k3jax
 from convert import export, layout, mxfp4
 from k3jax.model import K3Model
 from k3jax.presets import PRESETS
-from k3jax.train import corpus, target
+from k3jax.train import corpus, metrics, target
 from serve.chat.encoding import tokenize_messages
 from serve.chat.parsing import parse_output
 
@@ -140,3 +141,23 @@ def test_corpus_is_well_formed_k3_chat():
     held, train = corpus.conversations(True), corpus.conversations(False)
     questions = {m["content"] for c in held for m in c.messages[:1]} - {g for g, _ in corpus.GREETINGS}
     assert questions and not questions & {m["content"] for c in train for m in c.messages[:1]}
+
+
+def test_reply_measures_on_the_corpus_own_replies():
+    """`closes_markers` and `names_topic` on each kind's reference reply (as the model would generate
+    it, through `<|end_of_msg|>`): each closes and names its topic; cut before the response channel
+    closes, or asked about another topic, it does not."""
+    tokenizer = corpus.byte_tokenizer(target.training_config(PRESETS["k3-tiny"]))
+    title, body = corpus.topics()["if"]
+    passage = corpus.passages(body)[0]
+    assert title.lower() in corpus.first_sentence(passage).lower()  # the free-text answers name the topic
+    for kind in corpus.KINDS:
+        c = corpus.conversation(kind, title, passage, corpus.QUESTIONS[1])
+        prompt, whole = len(c.prompt(tokenizer)), c.render(tokenizer)
+        mask = c.reply_mask(tokenizer)[prompt:].cumprod(dtype=bool)
+        reply = tokenizer.decode(np.asarray(whole)[prompt:][mask])
+        assert metrics.closes_markers(reply, "stop", c) and metrics.names_topic(reply, c), kind
+        assert not metrics.closes_markers(reply, "length", c)
+        cut = reply[:reply.index("<|close|>response")] + "<|close|>message<|sep|><|end_of_msg|>"
+        assert not metrics.closes_markers(cut, "stop", c), kind
+        assert not metrics.names_topic(reply, dataclasses.replace(c, topic="The while statement")), kind
