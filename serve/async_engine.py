@@ -2,10 +2,11 @@
 
 The event loop never calls the engine. Submissions and aborts reach the engine thread through one
 thread-safe inbox, in order (an abort never overtakes its submission); the thread runs
-`Engine.step()` while there is work and sleeps on the inbox when there is none, and hands every
-output to its submitter's asyncio queue with `loop.call_soon_threadsafe`. The requests in the
-engine are bounded (the running batch plus `max_queued_requests` waiting), so a flood of requests
-is answered with 503s instead of growing memory.
+`Engine.step()` while there is work and sleeps on the inbox when there is none, and hands a step's
+outputs to their submitters' asyncio queues with one `loop.call_soon_threadsafe` per event loop (each
+call wakes the loop through its self-pipe; one per output woke it once per stream per step). The
+requests in the engine are bounded (the running batch plus `max_queued_requests` waiting), so a flood
+of requests is answered with 503s instead of growing memory.
 
 Outputs travel as deltas (what each step added), so a request's output is copied once, not once
 per step. The engine thread never waits for a reader; instead, before each step, a group whose
@@ -179,11 +180,14 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
+        posts = []
         for output in outputs:
             tracked = self._requests.get(output.request_id)
             if tracked is None:
                 continue
             if output.finish_reason == "error":
+                _post_all(posts)  # the group's earlier outputs go before its failure
+                posts = []
                 self._fail_group(tracked.group, "error", "the request failed while generating; see the server log")
                 continue
             new_tokens = len(output.token_ids)
@@ -196,11 +200,12 @@ class AsyncEngine:
                         self.metrics.inter_token_latency.observe((now - tracked.last_token_time) / new_tokens)
                 self.metrics.generation_tokens.inc(new_tokens)
                 tracked.num_tokens, tracked.last_token_time = tracked.num_tokens + new_tokens, now
-            tracked.group.post((tracked.index, output))
+            posts.append((tracked.group, (tracked.index, output)))
             if output.finished:
                 del self._requests[output.request_id]
                 self.metrics.requests_finished.labels(output.finish_reason).inc()
                 self._release(1)
+        _post_all(posts)
 
     def _throttle(self) -> tuple[bool, bool]:
         """Pauses the groups whose readers are more than max_backlog outputs per request behind and
@@ -266,11 +271,7 @@ class RequestGroup:
 
     def post(self, item) -> None:
         """Hands an item to the group's queue (from the engine thread)."""
-        self.posted += 1
-        try:
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the submitter's event loop has closed: nobody is waiting for the item
-            pass
+        _post_all([(self, item)])
 
     async def __aiter__(self):
         while self._unfinished:
@@ -287,6 +288,25 @@ class RequestGroup:
         if self._unfinished:
             self._inbox.put(_Abort([self.request_ids[i] for i in self._unfinished]))
             self._unfinished.clear()
+
+
+def _post_all(posts: list[tuple[RequestGroup, object]]) -> None:
+    """Hands each (group, item) to the group's queue, in order, waking each event loop once (from the
+    engine thread)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for group, item in posts:
+        group.posted += 1
+        by_loop.setdefault(group._loop, []).append((group.queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_each, items)
+        except RuntimeError:  # the submitters' event loop has closed: nobody is waiting for the items
+            pass
+
+
+def _put_each(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
 
 
 @dataclasses.dataclass
