@@ -52,7 +52,8 @@ def main(argv=None) -> None:
     strategies = ("dense", "ragged_dot")
     fns = [gradient_fn(s, gated_activation(cfg)) for s in strategies]
     times = median_us(fns, (x, weights, w_gate, w_up, w_down, ids, probe), repeats=args.repeats)
-    rows = [{"strategy": s, "forward_backward_ms": t / 1e3, "vs_dense": t / times[0]} for s, t in zip(strategies, times)]
+    rows = [{"strategy": s, "forward_backward_ms": t / 1e3, "vs_dense": t / times[0]}
+            for s, t in zip(strategies, times)]
     report("train_moe", rows, note=f"k3-tiny MoE layer, {tokens} tokens x top-{k} of {experts} experts "
                                    f"({hidden} x {width}), fp32, medians of {args.repeats} interleaved runs")
 

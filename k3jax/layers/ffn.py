@@ -32,8 +32,9 @@ _TRAINING: contextvars.ContextVar[list | None] = contextvars.ContextVar("k3jax_t
 @contextlib.contextmanager
 def training_moe():
     """While tracing inside this context the routed experts run differentiably (every token through
-    every expert, weighed by its gates: pallas_kernels.moe.xla's "dense"), and every MoE layer appends its expert load int32 [E] to the yielded list
-    (tracers: return them from the traced function)."""
+    every expert, weighed by its gates: pallas_kernels.moe.xla's "dense"), and every MoE layer
+    appends its expert load int32 [E] to the yielded list (tracers: return them from the traced
+    function)."""
     loads: list = []
     token = _TRAINING.set(loads)
     try:

@@ -8,10 +8,10 @@ writes OUT/k3-tiny (config.json, bf16 safetensors with MXFP4 experts, the byte-l
 OUT/k3-tiny/training.json: the options, the training time, the loss curve, held-out perplexity of the
 written checkpoint against the unigram baseline, the shares of greedy chat replies that close their
 markers and that name the topic asked, and each MoE layer's expert load over the last 20 steps. The
-vision stage (`k3jax.train.vision`) then trains the tiny vision tower and projector against the frozen text model,
-adds them to OUT/k3-tiny beside the text tensors (checked to be the text stage's byte for byte) and
-adds to training.json, under "vision", its options, time, losses and the held-out caption accuracy
-against chance. `--stage vision` runs it alone on the checkpoint already in OUT (replacing a tower
+vision stage (`k3jax.train.vision`) then trains the tiny vision tower and projector against the
+frozen text model, adds them to OUT/k3-tiny beside the text tensors (checked to be the text stage's
+byte for byte) and adds to training.json, under "vision", its options, time, losses and the held-out
+caption accuracy against chance. `--stage vision` runs it alone on the checkpoint already in OUT (replacing a tower
 there), `--stage text` writes the text model alone. `--stage draft` distills the DSpark draft for
 the checkpoint in OUT (`k3jax.train.draft`) and writes OUT/k3-tiny-dspark with its training.json.
 Deterministic given the seed (on one machine: XLA:CPU's reductions are fixed for a given

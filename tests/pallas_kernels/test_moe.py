@@ -99,8 +99,8 @@ ALL_COMBOS = MAIN_COMBOS + [("mxfp4", "f32"), ("plain", "bf16")]
 
 
 # The weight kind and dtype handling is shared by the strategies: all combinations on the CPU default.
-@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in MOE_IMPLS for c in (ALL_COMBOS if i in ("loop", *SPLITS) else
-                                                                                  MAIN_COMBOS)])
+@pytest.mark.parametrize("impl, wkind, dtype", [(i, *c) for i in MOE_IMPLS
+                                                for c in (ALL_COMBOS if i in ("loop", *SPLITS) else MAIN_COMBOS)])
 def test_moe_ffn_matches_numpy(impl, wkind, dtype):
     ws = weights(wkind)
     np_ws = np_weights(ws, DTYPES[dtype][1])
@@ -202,9 +202,10 @@ def test_dense_gradients_match_ragged_dot():
                                                               strategy=strategy))
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, wts, *ws)
 
-    for got, want in zip(grads("dense"), grads("ragged_dot")):
+    dense = grads("dense")
+    for got, want in zip(dense, grads("ragged_dot")):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * np.abs(want).max())
-    assert np.abs(np.asarray(grads("dense")[2])).max() > 0
+    assert np.abs(np.asarray(dense[2])).max() > 0
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])
