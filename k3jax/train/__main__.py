@@ -7,11 +7,11 @@ write the shipped k3jax/weights/k3-tiny. The text stage trains the decoder on th
 writes OUT/k3-tiny (config.json, bf16 safetensors with MXFP4 experts, the byte-level tokenizer) and
 OUT/k3-tiny/training.json: the options, the training time, the loss curve, held-out perplexity of the
 written checkpoint against the unigram baseline, the shares of greedy chat replies that close their
-markers and that name the topic asked, and each MoE layer's expert load over the last 20 steps. The
-vision stage (`k3jax.train.vision`) then trains the tiny vision tower and projector against the
-frozen text model, adds them to OUT/k3-tiny beside the text tensors (checked to be the text stage's
-byte for byte) and adds to training.json, under "vision", its options, time, losses and the held-out
-caption accuracy against chance. `--stage vision` runs it alone on the checkpoint already in OUT (replacing a tower
+markers and that name the topic asked, the share of replies to a tool's result that quote it, and
+each MoE layer's expert load over the last 20 steps. The vision stage (`k3jax.train.vision`) then
+trains the tiny vision tower and projector against the frozen text model, adds them to OUT/k3-tiny
+beside the text tensors (checked to be the text stage's byte for byte) and adds to training.json,
+under "vision", its options, time, losses and the held-out caption accuracy against chance. `--stage vision` runs it alone on the checkpoint already in OUT (replacing a tower
 there), `--stage text` writes the text model alone. `--stage draft` distills the DSpark draft for
 the checkpoint in OUT (`k3jax.train.draft`) and writes OUT/k3-tiny-dspark with its training.json.
 Deterministic given the seed (on one machine: XLA:CPU's reductions are fixed for a given
@@ -50,7 +50,8 @@ WEIGHTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def text_figures(model, seed: int) -> dict:
     """The text model's held-out figures: perplexity against the unigram baseline, and the shares of
-    greedy chat replies that close their markers and that are about the topic asked."""
+    greedy chat replies that close their markers, that are about the topic asked and (replies to a
+    tool's result) that quote it."""
     cfg = training_config(PRESETS[MODEL])
     tokenizer = corpus.byte_tokenizer(cfg)
     train_tokens = np.concatenate([c.render(tokenizer) for c in corpus.conversations(False, seed)])

@@ -21,10 +21,12 @@ its turn. A greedy reply closes only where closing is the likeliest next token. 
 as answers it never was: 0 of 43 held-out replies closed. Each reasoning is one fixed sentence that
 names no topic, the tool's argument is the title the user wrote, and no topic gives more than
 MAX_PASSAGES (the three largest held a third of all passages, and their titles became what the model
-wrote in every reply). With these and 400 steps, every held-out tool call and most thinking replies
-close; instant answers drift into the tool declaration's JSON without closing the response
-(training.json's `closing_share`). No reply names the topic asked (`topic_share`): answers that
-began by restating it ("{title}: {first sentence}", 400 steps) named it in none of 41 held-out
+wrote in every reply). With these and 400 steps, every held-out tool call and instant answer
+closes, no thinking answer does (training.json's `closing_share`; a run whose rows never held the
+answers to tool results closed the thinking answers and not the instant ones: which memorised phrase
+a reply falls into decides it). No reply names the topic asked (`topic_share`) and no answer to a
+tool's result quotes it (`quoting_share`): the model copies nothing from its context. Answers that
+began by restating the title ("{title}: {first sentence}", 400 steps) named it in none of 41 held-out
 replies either, and fewer closed (14 of 43 against 29). Topics are split into training and held-out
 sets by name (every HELD_OUT_EVERY-th topic), so held-out perplexity is measured on unseen sections.
 """
@@ -86,6 +88,10 @@ class Conversation:
         """The first user turn as a serving prompt (what a model continues in `metrics.reply_figures`)."""
         first = self.messages[:1]
         return tokenize_messages(tokenizer, first, tools=self.tools, thinking=self.thinking)
+
+    def result_prompt(self, tokenizer: Tokenizer) -> list[int]:
+        """A tool conversation through the tool's result, as a serving prompt (the reply answers from it)."""
+        return tokenize_messages(tokenizer, self.messages[:3], tools=self.tools, thinking=self.thinking)
 
 
 def byte_tokenizer(cfg: K3Config) -> Tokenizer:
@@ -176,17 +182,24 @@ def conversations(held_out: bool, seed: int = 0) -> list[Conversation]:
 class Batches:
     """Rows of `length + 1` tokens (inputs and next-token targets) and `length` loss weights, each
     the concatenation of conversations drawn in a seeded order from a conversation start (a row
-    begins as a served prompt does). Reply tokens weigh 1 and the rest CONTEXT_WEIGHT: most tokens
+    begins as a served prompt does). A conversation longer than a row also gets a row that ends where
+    it ends: tool conversations run 1128-1769 tokens, and rows of 1024 from their start never held the
+    reply to the tool's result (so no model trained on them answered from a result: it called the tool
+    again). Reply tokens weigh 1 and the rest CONTEXT_WEIGHT: most tokens
     are fixed system text and quoted passages, and at full weight they crowd out the few that close a
     turn. (At 0, the prompt side untrained, held-out replies looped instead: perplexity 8.6 against
     2.0, and no more of them closed.)"""
 
     def __init__(self, conversations: list[Conversation], tokenizer: Tokenizer, length: int, seed: int):
-        stream = np.concatenate([c.render(tokenizer) for c in conversations]).astype(np.int32)
+        rendered = [c.render(tokenizer) for c in conversations]
+        stream = np.concatenate(rendered).astype(np.int32)
         weights = np.concatenate([np.where(c.reply_mask(tokenizer), 1.0, CONTEXT_WEIGHT) for c in conversations])
         self.tokens = np.concatenate([stream, stream[:length + 1]])  # rows near the end wrap around
         self.weights = np.concatenate([weights, weights[:length + 1]]).astype(np.float32)
-        self.starts = np.cumsum([0] + [len(c.render(tokenizer)) for c in conversations[:-1]])
+        sizes = np.array([len(r) for r in rendered])
+        ends = np.cumsum(sizes)
+        long = sizes > length + 1
+        self.starts = np.concatenate([ends - sizes, ends[long] - length - 1])
         self.length = length
         self.rng = np.random.default_rng(seed)
 

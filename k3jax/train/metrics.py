@@ -16,6 +16,7 @@ from serve.engine import Engine, EngineOptions
 from serve.sampling import SamplingParams
 
 REPLY_TOKENS = 600  # a reply that has not closed by then does not close
+QUOTED_WORDS = 3
 
 
 def perplexity(model: K3Model, token_lists: list[list[int]], batch: int = 8) -> float:
@@ -70,19 +71,37 @@ def names_topic(text: str, conversation: Conversation) -> bool:
     return False
 
 
-def replies(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> list[tuple[str, str]]:
-    """(text with special tokens, finish reason) of the greedy reply to each conversation's first turn."""
+def quotes_result(text: str, finish_reason: str, conversation: Conversation) -> bool:
+    """Whether a reply to a tool's result (special tokens kept) closes its turn with content that
+    begins with the result's first QUOTED_WORDS words, as the corpus' answers do: copied from the
+    prompt, since held-out topics were never trained on."""
+    result = conversation.messages[2]["content"]
+    parsed = parse_output(text.removesuffix(END_OF_MESSAGE), thinking=True, tools=conversation.tools)
+    words = (parsed.content or "").split()
+    return (finish_reason == "stop" and text.removesuffix(END_OF_MESSAGE).endswith(MESSAGE_CLOSE)
+            and not parsed.tool_calls and len(words) >= QUOTED_WORDS
+            and words[:QUOTED_WORDS] == result.split()[:QUOTED_WORDS])
+
+
+def replies(model: K3Model, tokenizer: Tokenizer, prompts: list[list[int]]) -> list[tuple[str, str]]:
+    """(text with special tokens, finish reason) of the greedy reply to each prompt."""
     engine = Engine(model, EngineOptions(max_model_len=2048, max_num_seqs=8), tokenizer=tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=REPLY_TOKENS, skip_special_tokens=False,
                             spaces_between_special_tokens=False)  # as the parsers read it
-    outputs = engine.generate([c.prompt(tokenizer) for c in conversations], [params] * len(conversations))
+    outputs = engine.generate(prompts, [params] * len(prompts))
     return [(o.text, o.finish_reason) for o in outputs]
 
 
 def reply_figures(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> dict:
-    """Of the greedy replies to `conversations`: the share that `closes_markers`, and of those asking
-    about a topic, the share that `names_topic`."""
-    done = replies(model, tokenizer, conversations)
-    closes = [closes_markers(text, reason, c) for (text, reason), c in zip(done, conversations)]
-    on_topic = [names_topic(text, c) for (text, _), c in zip(done, conversations) if c.topic is not None]
-    return dict(closing_share=float(np.mean(closes)), topic_share=float(np.mean(on_topic)))
+    """Of the greedy replies to `conversations`' first turns: the share that `closes_markers`, and of
+    those asking about a topic, the share that `names_topic`; of the replies to the tool conversations'
+    results, the share that `quotes_result`."""
+    with_result = [c for c in conversations if len(c.messages) > 2]
+    done = replies(model, tokenizer, [c.prompt(tokenizer) for c in conversations]
+                   + [c.result_prompt(tokenizer) for c in with_result])
+    first, answers = done[:len(conversations)], done[len(conversations):]
+    closes = [closes_markers(text, reason, c) for (text, reason), c in zip(first, conversations)]
+    on_topic = [names_topic(text, c) for (text, _), c in zip(first, conversations) if c.topic is not None]
+    quoting = [quotes_result(text, reason, c) for (text, reason), c in zip(answers, with_result)]
+    return dict(closing_share=float(np.mean(closes)), topic_share=float(np.mean(on_topic)),
+                quoting_share=float(np.mean(quoting)))

@@ -161,3 +161,54 @@ def test_reply_measures_on_the_corpus_own_replies():
         cut = reply[:reply.index("<|close|>response")] + "<|close|>message<|sep|><|end_of_msg|>"
         assert not metrics.closes_markers(cut, "stop", c), kind
         assert not metrics.names_topic(reply, dataclasses.replace(c, topic="The while statement")), kind
+
+
+def test_quotes_result_on_the_corpus_own_answer():
+    """`quotes_result` on a tool conversation's reference answer to the result (through
+    `<|end_of_msg|>`): it quotes; cut before the response closes, calling the tool again, or answered
+    with another passage's words, it does not."""
+    tokenizer = corpus.byte_tokenizer(target.training_config(PRESETS["k3-tiny"]))
+    title, body = corpus.topics()["if"]
+    first, other = corpus.passages(body)[:2]
+    c = corpus.conversation("tool", title, first, corpus.QUESTIONS[0])
+    prompt, whole = len(c.result_prompt(tokenizer)), c.render(tokenizer)
+    reply = tokenizer.decode(whole[prompt:])
+    assert reply.endswith("<|close|>message<|sep|><|end_of_msg|>")
+    assert metrics.quotes_result(reply, "stop", c) and not metrics.quotes_result(reply, "length", c)
+    cut = reply[:reply.index("<|close|>response")]
+    assert not metrics.quotes_result(cut, "stop", c)
+    first_reply = tokenizer.decode(whole[len(c.prompt(tokenizer)):len(tokenize_messages(
+        tokenizer, c.messages[:2], tools=c.tools, thinking=True, add_generation_prompt=False))])
+    assert not metrics.quotes_result(first_reply, "stop", c)  # a second call, not an answer
+    assert first.split()[:3] != other.split()[:3]
+    assert not metrics.quotes_result(reply, "stop", dataclasses.replace(
+        c, messages=[*c.messages[:2], {**c.messages[2], "content": other}, c.messages[3]]))
+
+
+def test_rows_hold_every_reply_token():
+    """Rows start where a conversation starts or end where a long one ends, so every reply token of
+    conversations up to twice a row (the corpus' longest is 1769 tokens), the answers to tool results
+    beyond the first `length` tokens included, is a target of some row."""
+    tokenizer = corpus.byte_tokenizer(target.training_config(PRESETS["k3-tiny"]))
+    title, body = corpus.topics()["if"]
+    passage = corpus.passages(body)[0]
+    convs = [corpus.conversation(kind, title, passage, corpus.QUESTIONS[0]) for kind in corpus.KINDS]
+    length = target.TrainOptions.length
+    rows = corpus.Batches(convs, tokenizer, length, seed=0)
+    rendered = [np.asarray(c.render(tokenizer)) for c in convs]
+    stream = np.concatenate(rendered)
+    bounds = np.cumsum([0] + [len(r) for r in rendered])
+    assert length + 1 < max(map(len, rendered)) <= 2 * length  # a conversation longer than a row
+    starts = set(bounds[:-1].tolist())
+    assert starts <= set(rows.starts.tolist())
+    assert set(rows.starts.tolist()) - starts == {int(e) - length - 1 for s, e in zip(bounds, bounds[1:])
+                                                  if e - s > length + 1}
+    covered = np.zeros(len(stream), bool)
+    for s in rows.starts:
+        covered[s + 1:s + length + 1] = True
+    mask = np.concatenate([c.reply_mask(tokenizer) for c in convs])
+    assert covered[mask].all()
+    tokens, weights = rows(8)
+    for row, w in zip(tokens, weights):
+        s = next(s for s in rows.starts if np.array_equal(rows.tokens[s:s + length + 1], row))
+        np.testing.assert_array_equal(w, rows.weights[s + 1:s + length + 1])
