@@ -11,11 +11,12 @@ markers and that name the topic asked, the share of replies to a tool's result t
 each MoE layer's expert load over the last 20 steps. The vision stage (`k3jax.train.vision`) then
 trains the tiny vision tower and projector against the frozen text model, adds them to OUT/k3-tiny
 beside the text tensors (checked to be the text stage's byte for byte) and adds to training.json,
-under "vision", its options, time, losses and the held-out caption accuracy against chance. `--stage vision` runs it alone on the checkpoint already in OUT (replacing a tower
-there), `--stage text` writes the text model alone. `--stage draft` distills the DSpark draft for
-the checkpoint in OUT (`k3jax.train.draft`) and writes OUT/k3-tiny-dspark with its training.json.
-Deterministic given the seed (on one machine: XLA:CPU's reductions are fixed for a given
-instruction set); training.json's times differ from run to run.
+under "vision", its options, time, losses and the held-out caption accuracy against chance.
+`--stage vision` runs it alone on the checkpoint already in OUT (replacing a tower there), `--stage
+text` writes the text model alone. `--stage draft` distills the DSpark draft for the checkpoint in OUT
+(`k3jax.train.draft`) and writes OUT/k3-tiny-dspark with its training.json. Deterministic given the
+seed (on one machine: XLA:CPU's reductions are fixed for a given instruction set); training.json's
+times differ from run to run.
 
 The shipped tower: see training.json's "vision" and `k3jax.train.vision`.
 """
