@@ -76,9 +76,10 @@ def quotes_result(text: str, finish_reason: str, conversation: Conversation) -> 
     begins with the result's first QUOTED_WORDS words, as the corpus' answers do: copied from the
     prompt, since held-out topics were never trained on."""
     result = conversation.messages[2]["content"]
-    parsed = parse_output(text.removesuffix(END_OF_MESSAGE), thinking=True, tools=conversation.tools)
+    text = text.removesuffix(END_OF_MESSAGE)
+    parsed = parse_output(text, thinking=True, tools=conversation.tools)
     words = (parsed.content or "").split()
-    return (finish_reason == "stop" and text.removesuffix(END_OF_MESSAGE).endswith(MESSAGE_CLOSE)
+    return (finish_reason == "stop" and text.endswith(MESSAGE_CLOSE)
             and not parsed.tool_calls and len(words) >= QUOTED_WORDS
             and words[:QUOTED_WORDS] == result.split()[:QUOTED_WORDS])
 
@@ -96,7 +97,7 @@ def reply_figures(model: K3Model, tokenizer: Tokenizer, conversations: list[Conv
     """Of the greedy replies to `conversations`' first turns: the share that `closes_markers`, and of
     those asking about a topic, the share that `names_topic`; of the replies to the tool conversations'
     results, the share that `quotes_result`."""
-    with_result = [c for c in conversations if len(c.messages) > 2]
+    with_result = [c for c in conversations if c.tools]
     done = replies(model, tokenizer, [c.prompt(tokenizer) for c in conversations]
                    + [c.result_prompt(tokenizer) for c in with_result])
     first, answers = done[:len(conversations)], done[len(conversations):]
