@@ -43,6 +43,7 @@ BENCHMARKS = (
     "engine_fp8_agreement",
     "convert_throughput",
     "serve_load",
+    "engine_contention",
     "cold_start",
 )
 

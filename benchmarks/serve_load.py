@@ -14,6 +14,10 @@ the same closed loop. Server and offline runs alternate, `--repeats` times at ea
 table has medians, so a noisy neighbour slows both alike; vs_offline is the median of the pairs' tokens/s
 ratios. cpu_vs_offline compares CPU time instead (the server process's, all threads, against this
 process's during the offline run), which a busy machine disturbs less; the client's CPU is in neither.
+xla_cpu_ratio and python_cpu_ratio split it by thread, server over offline: XLA:CPU's compute threads
+(the step's work, the same on both sides when nothing else changes) and the Python threads (the engine's
+host work, plus the server's HTTP work). benchmarks/engine_contention.py asks whether moving the
+latter to another process would help.
 
 Both sides time the same events: a request's tokens arrive as text, and the byte-level tokenizer turns a
 token into text only once its UTF-8 character is complete, so one streamed chunk may carry several
@@ -155,21 +159,32 @@ def summary(timings: list[Timing], elapsed: float) -> dict:
             "tokens_per_chunk": tokens / sum(len(t.text_times) for t in timings)}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads (Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU time of a process's threads (Linux), summed as "xla" (XLA:CPU's pools, whose
+    threads are named tf_XLA...) and "python" (the rest)."""
+    seconds = {"xla": 0.0, "python": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                kind = "xla" if f.read().startswith("tf_XLA") else "python"
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        seconds[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
 
 
 def measure_pair(url: str, server_pid: int, engine: Engine, workload, concurrency: int, max_tokens: int):
-    """(server summary, offline summary), each with the CPU seconds its side spent."""
-    start = cpu_seconds(server_pid)
-    served = summary(*serve_at(url, workload, concurrency, max_tokens))
-    served["cpu_s"] = cpu_seconds(server_pid) - start
-    start = time.process_time()
-    offline = summary(*offline_at(engine, workload, concurrency, max_tokens))
-    offline["cpu_s"] = time.process_time() - start
+    """(server summary, offline summary), each with the CPU seconds its side's threads spent."""
+    def timed(pid, run) -> dict:
+        start = cpu_seconds(pid)
+        result = summary(*run())
+        end = cpu_seconds(pid)
+        return {**result, **{f"{kind}_cpu_s": end[kind] - start[kind] for kind in end}}
+
+    served = timed(server_pid, lambda: serve_at(url, workload, concurrency, max_tokens))
+    offline = timed(os.getpid(), lambda: offline_at(engine, workload, concurrency, max_tokens))
     return served, offline
 
 
@@ -177,12 +192,17 @@ def row(concurrency: int, pairs: list[tuple[dict, dict]]) -> dict:
     def median(values) -> float:
         return float(np.median(list(values)))
 
+    def cpu(side: dict) -> float:
+        return side["xla_cpu_s"] + side["python_cpu_s"]
+
     served = {key: median(s[key] for s, _ in pairs) for key in pairs[0][0]}
     offline = {key: median(o[key] for _, o in pairs) for key in pairs[0][1]}
     return {"concurrency": concurrency, "requests_per_s": served["requests_per_s"],
             "tokens_per_s": served["tokens_per_s"], "offline_tokens_per_s": offline["tokens_per_s"],
             "vs_offline": median(s["tokens_per_s"] / o["tokens_per_s"] for s, o in pairs),
-            "cpu_vs_offline": median(o["cpu_s"] / s["cpu_s"] for s, o in pairs),
+            "cpu_vs_offline": median(cpu(o) / cpu(s) for s, o in pairs),
+            "xla_cpu_ratio": median(s["xla_cpu_s"] / o["xla_cpu_s"] for s, o in pairs),
+            "python_cpu_ratio": median(s["python_cpu_s"] / o["python_cpu_s"] for s, o in pairs),
             "ttft_p50_ms": served["ttft_p50_ms"], "ttft_p99_ms": served["ttft_p99_ms"],
             "offline_ttft_p50_ms": offline["ttft_p50_ms"], "itl_p50_ms": served["itl_p50_ms"],
             "itl_p99_ms": served["itl_p99_ms"], "tpot_p50_ms": served["tpot_p50_ms"],

@@ -16,6 +16,11 @@ cache but take no part in steps) until the reader catches up, and aborted if it 
 server hold is bounded. A request that fails alone (finish_reason "error") fails its group with
 RequestFailed; the others go on. When a step finds nothing to run, the thread sleeps until the next
 command (polling while a group is paused) rather than spinning.
+
+A thread, not a process of its own as vLLM's engine core: on a 2-core machine a Python load of the
+HTTP side's CPU share slows the offline engine as much from another process as from a thread of its
+process (benchmarks/engine_contention.py), so what serving costs the engine there is CPU time, which a
+second process would not give back, plus the outputs' trip between processes.
 """
 
 from __future__ import annotations
