@@ -79,7 +79,9 @@ def greedy(model, prompt, steps=32, feed=None):
     return np.stack(tokens, 1), np.stack(rows, 1)
 
 
-@pytest.mark.parametrize("mesh", ["8x2", "2x8", "4x4"])
+# make test's AVX2 pass runs the serving mesh (8x2) alone: the other shapes split the same paths otherwise
+@pytest.mark.parametrize("mesh", ["8x2", pytest.param("2x8", marks=pytest.mark.isa_covered),
+                                  pytest.param("4x4", marks=pytest.mark.isa_covered)])
 def test_sharded_logits_and_greedy_decode_match_one_device(referee, mesh):
     """fp32 on a mesh: TP/EP change only the order of partial sums. The full forward's logits, and 32
     greedy tokens (prefill + decode) with their logits, are the one-device reference's within fp32's
