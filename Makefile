@@ -34,7 +34,7 @@ $(STAMP): $(PY) pyproject.toml
 # limited to AVX2: another instruction set rounds otherwise, and an assertion that holds only on the
 # machine that wrote it fails here rather than on the next machine (issue 19). Tests marked
 # isa_invariant (bookkeeping, compile counts, errors) run once, and so do those marked isa_covered (another
-# case of the same test makes the check).
+# test of the pass runs the same paths).
 ISA_TESTS := tests/test_agreement.py tests/k3jax/test_model.py tests/k3jax/test_paged_decode.py \
 	tests/k3jax/test_speculative_forward.py tests/k3jax/test_ffn.py tests/serve/test_engine.py \
 	tests/serve/dspark/test_engine_dspark.py tests/serve/dspark/test_engine_speculative.py \

@@ -119,6 +119,7 @@ def test_pallas_kernels_per_shard_match_the_xla_paths(xla_run, monkeypatch):
     check_against_reference(Referee(model), got, fed, "Pallas paged steps per shard")
 
 
+@pytest.mark.isa_covered  # the kernels of test_pallas_kernels_per_shard_match_the_xla_paths
 def test_pallas_kernels_per_data_group_match_the_xla_paths(xla_run, monkeypatch):
     # DP attention on 2x2: each data group's rows and pool blocks on its own devices (data manual),
     # the Pallas kernels per shard inside it over model: what a GPU mesh with data > 1 runs

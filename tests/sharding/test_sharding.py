@@ -151,6 +151,7 @@ def test_expert_parallel_moe_equals_single_device(everyone_to_device):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.isa_covered  # the 8x2 case of test_sharded_logits_and_greedy_decode_match_one_device
 def test_a_batch_data_does_not_divide_is_padded(referee):
     """On a 8x2 mesh, 3 sequences: the model pads the batch to 8 rows and returns only the real ones
     (a notebook user's batch), with the one-device reference's logits and greedy tokens."""
