@@ -34,6 +34,7 @@ from serve.engine import Engine, EngineOptions
 from serve.llm import default_model_dir, load_tokenizer
 
 PERIOD_S = 0.0008
+MAX_TOKENS = 32  # serve_load's default
 SETTINGS = ("alone", "thread", "process", "process_nice")
 
 
@@ -52,16 +53,18 @@ def load(ready, stop, duty: float, nice: int) -> None:
 
 def tokens_per_s(engine: Engine, workload, concurrency: int, setting: str, duty: float) -> float:
     if setting == "alone":
-        return summary(*offline_at(engine, workload, concurrency, 32))["tokens_per_s"]
-    # forked: the child runs only `load`, none of the parent's XLA threads' code
-    kind = threading if setting == "thread" else multiprocessing.get_context("fork")
-    ready, stop = kind.Event(), kind.Event()
-    target = threading.Thread if setting == "thread" else kind.Process
-    beside = target(target=load, args=(ready, stop, duty, 19 if setting == "process_nice" else 0))
+        return summary(*offline_at(engine, workload, concurrency, MAX_TOKENS))["tokens_per_s"]
+    if setting == "thread":
+        ready, stop = threading.Event(), threading.Event()
+        beside = threading.Thread(target=load, args=(ready, stop, duty, 0))
+    else:  # forked: the child runs only `load`, none of the parent's XLA threads' code
+        fork = multiprocessing.get_context("fork")
+        ready, stop = fork.Event(), fork.Event()
+        beside = fork.Process(target=load, args=(ready, stop, duty, 19 if setting == "process_nice" else 0))
     beside.start()
     ready.wait()
     try:
-        return summary(*offline_at(engine, workload, concurrency, 32))["tokens_per_s"]
+        return summary(*offline_at(engine, workload, concurrency, MAX_TOKENS))["tokens_per_s"]
     finally:
         stop.set()
         beside.join()
@@ -86,7 +89,7 @@ def main(argv=None) -> None:
         alone = float(np.median(runs["alone"]))
         rows.append({"concurrency": concurrency, "alone_tokens_per_s": alone,
                      **{f"{setting}_vs_alone": float(np.median(runs[setting])) / alone for setting in SETTINGS[1:]}})
-    report("engine_contention", rows, note=f"k3-tiny fp32, serve_load's closed loop (64 requests of 32 tokens), "
+    report("engine_contention", rows, note=f"k3-tiny fp32, serve_load's closed loop (64 requests of {MAX_TOKENS} tokens), "
                                            f"a Python load of {args.duty:.0%} of a core beside the engine, "
                                            f"medians of {args.repeats} interleaved runs")
 
