@@ -169,7 +169,7 @@ def cpu_seconds(pid: int) -> dict[str, float]:
                 kind = "xla" if f.read().startswith("tf_XLA") else "python"
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # the thread ended meanwhile
+        except OSError:  # the thread ended meanwhile (ENOENT or ESRCH)
             continue
         seconds[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return seconds

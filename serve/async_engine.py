@@ -19,8 +19,8 @@ command (polling while a group is paused) rather than spinning.
 
 A thread, not a process of its own as vLLM's engine core: on a 2-core machine a Python load of the
 HTTP side's CPU share slows the offline engine as much from another process as from a thread of its
-process (benchmarks/engine_contention.py), so what serving costs the engine there is CPU time, which a
-second process would not give back, plus the outputs' trip between processes.
+process, or more (benchmarks/engine_contention.py), so what serving costs the engine there is CPU time,
+which a second process would not give back; it would add the outputs' trip between processes.
 """
 
 from __future__ import annotations

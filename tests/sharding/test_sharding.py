@@ -79,7 +79,7 @@ def greedy(model, prompt, steps=32, feed=None):
     return np.stack(tokens, 1), np.stack(rows, 1)
 
 
-# make test's AVX2 pass runs the serving mesh (8x2) alone: the other shapes split the same paths otherwise
+# make test's AVX2 pass runs the serving mesh (8x2) alone: the other shapes split the same paths another way
 @pytest.mark.parametrize("mesh", ["8x2", pytest.param("2x8", marks=pytest.mark.isa_covered),
                                   pytest.param("4x4", marks=pytest.mark.isa_covered)])
 def test_sharded_logits_and_greedy_decode_match_one_device(referee, mesh):
