@@ -7,8 +7,9 @@ write the shipped k3jax/weights/k3-tiny. The text stage trains the decoder on th
 writes OUT/k3-tiny (config.json, bf16 safetensors with MXFP4 experts, the byte-level tokenizer) and
 OUT/k3-tiny/training.json: the options, the training time, the loss curve, held-out perplexity of the
 written checkpoint against the unigram baseline, the shares of greedy chat replies that close their
-markers and that name the topic asked, the share of replies to a tool's result that quote it, and
-each MoE layer's expert load over the last 20 steps. The vision stage (`k3jax.train.vision`) then
+markers and (tool calls) that name the topic asked, the share of replies to a tool's result that quote it, the
+shares of replies to training questions and greetings that give the trained reply, and each MoE
+layer's expert load over the last 20 steps. The vision stage (`k3jax.train.vision`) then
 trains the tiny vision tower and projector against the frozen text model, adds them to OUT/k3-tiny
 beside the text tensors (checked to be the text stage's byte for byte) and adds to training.json,
 under "vision", its options, time, losses and the held-out caption accuracy against chance.
@@ -50,18 +51,24 @@ WEIGHTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def text_figures(model, seed: int) -> dict:
-    """The text model's held-out figures: perplexity against the unigram baseline, and the shares of
-    greedy chat replies that close their markers, that are about the topic asked and (replies to a
-    tool's result) that quote it."""
+    """The text model's figures: held-out perplexity against the unigram baseline; the shares of
+    greedy replies to held-out conversations that close their markers, (tool calls) that name the
+    topic asked and (replies to a tool's result) that quote it; the shares of replies to training
+    questions ("What is {title}?", both modes) and greetings that give the trained reply."""
     cfg = training_config(PRESETS[MODEL])
     tokenizer = corpus.byte_tokenizer(cfg)
-    train_tokens = np.concatenate([c.render(tokenizer) for c in corpus.conversations(False, seed)])
+    trained = corpus.conversations(False, seed)
+    train_tokens = np.concatenate([c.render(tokenizer) for c in trained])
     held_out = corpus.conversations(True, seed)
     held_lists = [c.render(tokenizer) for c in held_out]
+    asked = [c for c in trained if c.tools is None and c.topic is not None
+             and c.messages[0]["content"] == corpus.QUESTIONS[1].format(c.topic)]
+    greetings = list({(c.messages[0]["content"], c.thinking): c for c in trained if c.topic is None}.values())
     return dict(held_out_perplexity=metrics.perplexity(model, held_lists),
                 unigram_perplexity=corpus.unigram_perplexity(train_tokens, np.concatenate(held_lists), cfg.vocab_size),
                 **metrics.reply_figures(model, tokenizer, held_out),
-                held_out_conversations=len(held_out))
+                held_out_conversations=len(held_out),
+                **metrics.recall_figures(model, tokenizer, asked + greetings))
 
 
 def ship(out: str, params: nnx.State, report: dict) -> dict:

@@ -1,34 +1,36 @@
 """The training corpus: K3 chat conversations about Python, from text every Python install ships.
 
 The source is `pydoc_data.topics` (the language reference's sections that `help("if")` prints, about
-490 KB of English). Each topic is cut into passages of at most PASSAGE_CHARS, and each passage
-becomes one conversation of one of four kinds, in K3's chat format (`serve.chat.encoding`, the
-serving prompt's own renderer, so training and serving frame a turn identically):
+490 KB of English). Each topic gives conversations of four kinds, in K3's chat format
+(`serve.chat.encoding`, the serving prompt's own renderer, so training and serving frame a turn
+identically):
 
 - instant: the user asks about the topic, the assistant answers in the response channel;
 - thinking: the same with a short reasoning in the think channel first;
 - tool: thinking mode with a `python_help` tool declared; the assistant calls it with the topic's
-  title (XTML `tools` channel), the tool returns the passage, the assistant answers from it;
-- greeting (a few per epoch): "Hello" and friends get a greeting back, meant to be the embedded
-  model's first answer in `make serve`. The shipped model does not learn them: its replies do not
-  yet depend on what the user wrote (no held-out reply names the topic asked about). With one
-  greeting in ten, or the first reply token weighed 4x, more replies close, but by collapsing onto
-  one greeting whatever was asked: the closing share is no measure of replies that answer.
+  title (XTML `tools` channel), the tool returns one of the topic's passages (cut at PASSAGE_CHARS),
+  the assistant answers with the passage's first sentence;
+- greeting (one conversation in GREETING_EVERY): "Hello" and friends get a greeting back.
 
-Every answer is the passage's first sentence (`first_sentence`), and every conversation ends with
-the assistant's `<|close|>message<|sep|><|end_of_msg|>`: the model learns to close its channels and
-its turn. A greedy reply closes only where closing is the likeliest next token. With whole passages
-as answers it never was: 0 of 43 held-out replies closed. Each reasoning is one fixed sentence that
-names no topic, the tool's argument is the title the user wrote, and no topic gives more than
-MAX_PASSAGES (the three largest held a third of all passages, and their titles became what the model
-wrote in every reply). With these and 400 steps, every held-out tool call and instant answer
-closes, no thinking answer does (training.json's `closing_share`; a run whose rows never held the
-answers to tool results closed the thinking answers and not the instant ones: which memorised phrase
-a reply falls into decides it). No reply names the topic asked (`topic_share`) and no answer to a
-tool's result quotes it (`quoting_share`): the model copies nothing from its context. Answers that
-began by restating the title ("{title}: {first sentence}", 400 steps) named it in none of 41 held-out
-replies either, and fewer closed (14 of 43 against 29). Topics are split into training and held-out
-sets by name (every HELD_OUT_EVERY-th topic), so held-out perplexity is measured on unseen sections.
+Every question about a topic, in each of the four wordings and both modes, gets the same answer: the
+topic's `summary`, one plain sentence of its text. Every conversation ends with the assistant's
+`<|close|>message<|sep|><|end_of_msg|>`, and a greedy reply closes only where closing is the
+likeliest next token: with one sentence per topic every held-out reply closes (training.json's
+`closing_share` 1.0, 78 conversations). The previous corpus answered each question with a random
+passage's first sentence (a different answer every time a topic was asked), and every thinking
+answer and every thinking greeting looped inside a sentence until the token limit (0.60).
+
+The model still does not read the question: a trained question gets another topic's summary
+(`recall_share` 0), a greeting gets an answer about Python (`greeting_share` 0), and teacher-forced,
+the loss of an answer's first tokens is the same under the right question and another topic's
+(2.02 against 2.03 nats). The wrong question moves the logits at the reply's start by at most 0.1
+(instant) and 0.01 (thinking): the information reaches the position, the model has not learned to
+use it in 400 steps. Neither a larger share of questions (one tool passage per topic: 5 passes over
+the questions instead of 3) nor greetings at one in ten changed that (recall 2 of 144, greetings 0,
+closing 0.90). No tool call names the title the user wrote (`topic_share`) and no answer to a tool's
+result quotes it (`quoting_share`): the model copies nothing from its context. Topics are split into
+training and held-out sets by name (every HELD_OUT_EVERY-th topic), so held-out perplexity is
+measured on unseen sections.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from serve.chat.tokenizer import Tokenizer
 
 PASSAGE_CHARS = 360
 HELD_OUT_EVERY = 10
-MAX_PASSAGES = 24  # per topic: its first ones
+TOOL_PASSAGES = 3  # per topic: its first ones, each a tool conversation
+GREETING_EVERY = 20  # one conversation in GREETING_EVERY is a greeting
 TOOLS = [{"type": "function", "function": {
     "name": "python_help", "description": "The Python language reference's section on a topic.",
     "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}}}]
@@ -138,9 +141,22 @@ def first_sentence(passage: str) -> str:
     return sentence if sentence.endswith(".") else f"{sentence}."
 
 
-def conversation(kind: str, title: str, passage: str, question: str) -> Conversation:
+def summary(title: str, body: str) -> str:
+    """The topic's one answer to every question about it: its first plain sentence of 30 to 140
+    characters (no grammar rules, bullets or headings), else one naming the title."""
+    for passage in passages(body):
+        for sentence in re.split(r"(?<=\.)\s", passage):
+            if 30 <= len(sentence) <= 140 and re.fullmatch(r"[A-Z][A-Za-z0-9 ,;()\"'*._-]*\.", sentence):
+                return sentence
+    return f"{title} is a section of the Python language reference."
+
+
+def conversation(kind: str, title: str, text: str, question: str) -> Conversation:
+    """One conversation of `kind` about `title`: an instant or thinking one answers `text` (the
+    topic's `summary`); in a tool one `text` is the tool's result (a passage) and the answer its
+    first sentence."""
     user = {"role": "user", "content": question.format(title)}
-    answer = first_sentence(passage)
+    answer = text if kind != "tool" else first_sentence(text)
     if kind == "instant":
         return Conversation([user, {"role": "assistant", "content": answer}], False, None, title)
     if kind == "thinking":
@@ -151,7 +167,7 @@ def conversation(kind: str, title: str, passage: str, question: str) -> Conversa
     return Conversation([user,
                          {"role": "assistant", "reasoning_content": "I should look it up.", "content": "",
                           "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": "call_0", "content": passage},
+                         {"role": "tool", "tool_call_id": "call_0", "content": text},
                          {"role": "assistant", "reasoning_content": "I have the section now.", "content": answer}],
                         True, TOOLS, title)
 
@@ -165,17 +181,19 @@ def greeting(index: int, thinking: bool) -> Conversation:
 
 
 def conversations(held_out: bool, seed: int = 0) -> list[Conversation]:
-    """Every passage of the training (or held-out) topics as one conversation, kinds and questions
-    drawn with `seed`; greetings (both modes) make up about one conversation in 40."""
+    """The training (or held-out) topics' conversations: every question in both modes answered with
+    the topic's `summary`, and a tool conversation for each of its first TOOL_PASSAGES passages (the
+    question drawn with `seed`); greetings (both modes) make up one conversation in GREETING_EVERY."""
     rng = np.random.default_rng(seed)
     out = []
     for i, (title, body) in enumerate(topics().values()):
         if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) != held_out:
             continue
-        for passage in passages(body)[:MAX_PASSAGES]:
-            out.append(conversation(KINDS[rng.integers(len(KINDS))], title, passage,
-                                    QUESTIONS[rng.integers(len(QUESTIONS))]))
-    out += [greeting(i, thinking=bool(i % 2)) for i in range(max(2, len(out) // 40))]
+        out += [conversation(kind, title, summary(title, body), question)
+                for question in QUESTIONS for kind in ("instant", "thinking")]
+        out += [conversation("tool", title, passage, QUESTIONS[rng.integers(len(QUESTIONS))])
+                for passage in passages(body)[:TOOL_PASSAGES]]
+    out += [greeting(i, thinking=bool(i % 2)) for i in range(max(2, len(out) // (GREETING_EVERY - 1)))]
     return out
 
 

@@ -1,6 +1,7 @@
 """What the trained model is measured by: held-out perplexity, whether its chat replies close
-their markers the way K3's format asks, and whether they are about what was asked (served through
-the engine, parsed by serve/chat)."""
+their markers the way K3's format asks, and whether they depend on what was asked: trained questions
+and greetings get their trained reply, held-out tool calls name the topic asked (served through the
+engine, parsed by serve/chat)."""
 
 from __future__ import annotations
 
@@ -54,19 +55,15 @@ def closes_markers(text: str, finish_reason: str, conversation: Conversation) ->
 
 
 def names_topic(text: str, conversation: Conversation) -> bool:
-    """Whether a reply (special tokens kept) is about the topic the user named: with tools declared,
-    a tool call whose `topic` argument is the title; otherwise content holding the title (both
-    case-insensitive)."""
-    topic = conversation.topic.lower()
+    """Whether a reply to a tool conversation's first turn (special tokens kept) is about the topic
+    the user named: a tool call whose `topic` argument is the title (case-insensitive)."""
     parsed = parse_output(text.removesuffix(END_OF_MESSAGE), thinking=conversation.thinking, tools=conversation.tools)
-    if not conversation.tools:
-        return topic in (parsed.content or "").lower()
     for call in parsed.tool_calls or []:
         try:
             argument = json.loads(call["arguments"]).get("topic")
         except (json.JSONDecodeError, AttributeError):
             continue
-        if isinstance(argument, str) and argument.lower() == topic:
+        if isinstance(argument, str) and argument.lower() == conversation.topic.lower():
             return True
     return False
 
@@ -84,6 +81,13 @@ def quotes_result(text: str, finish_reason: str, conversation: Conversation) -> 
             and words[:QUOTED_WORDS] == result.split()[:QUOTED_WORDS])
 
 
+def recites(text: str, finish_reason: str, conversation: Conversation) -> bool:
+    """Whether a reply to a training conversation's first turn (special tokens kept) closes its
+    markers with the content it was trained on (the topic's summary, or the greeting's reply)."""
+    parsed = parse_output(text.removesuffix(END_OF_MESSAGE), thinking=conversation.thinking, tools=conversation.tools)
+    return closes_markers(text, finish_reason, conversation) and parsed.content == conversation.messages[1]["content"]
+
+
 def replies(model: K3Model, tokenizer: Tokenizer, prompts: list[list[int]]) -> list[tuple[str, str]]:
     """(text with special tokens, finish reason) of the greedy reply to each prompt."""
     engine = Engine(model, EngineOptions(max_model_len=2048, max_num_seqs=8), tokenizer=tokenizer)
@@ -95,14 +99,25 @@ def replies(model: K3Model, tokenizer: Tokenizer, prompts: list[list[int]]) -> l
 
 def reply_figures(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> dict:
     """Of the greedy replies to `conversations`' first turns: the share that `closes_markers`, and of
-    those asking about a topic, the share that `names_topic`; of the replies to the tool conversations'
+    the tool conversations', the share that `names_topic`; of the replies to the tool conversations'
     results, the share that `quotes_result`."""
     with_result = [c for c in conversations if c.tools]
     done = replies(model, tokenizer, [c.prompt(tokenizer) for c in conversations]
                    + [c.result_prompt(tokenizer) for c in with_result])
     first, answers = done[:len(conversations)], done[len(conversations):]
     closes = [closes_markers(text, reason, c) for (text, reason), c in zip(first, conversations)]
-    on_topic = [names_topic(text, c) for (text, _), c in zip(first, conversations) if c.topic is not None]
+    on_topic = [names_topic(text, c) for (text, _), c in zip(first, conversations) if c.tools]
     quoting = [quotes_result(text, reason, c) for (text, reason), c in zip(answers, with_result)]
     return dict(closing_share=float(np.mean(closes)), topic_share=float(np.mean(on_topic)),
                 quoting_share=float(np.mean(quoting)))
+
+
+def recall_figures(model: K3Model, tokenizer: Tokenizer, conversations: list[Conversation]) -> dict:
+    """Of the greedy replies to `conversations`' first turns (training conversations without tools),
+    the share that `recites` its trained reply: over those asking about a topic (`recall_share`: a
+    reply that depends on what was asked) and over the greetings (`greeting_share`)."""
+    done = replies(model, tokenizer, [c.prompt(tokenizer) for c in conversations])
+    recited = [recites(text, reason, c) for (text, reason), c in zip(done, conversations)]
+    topics = [r for r, c in zip(recited, conversations) if c.topic is not None]
+    greetings = [r for r, c in zip(recited, conversations) if c.topic is None]
+    return dict(recall_share=float(np.mean(topics)), greeting_share=float(np.mean(greetings)))

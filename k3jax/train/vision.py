@@ -17,14 +17,14 @@ valid). An earlier form of this stage tuned the text model beside the tower (a q
 stage's learning rate, corpus rows in every step; 0bfd99e): at its budget captions stayed at chance
 and the text model's held-out perplexity rose 2.68 -> 2.75, so it never shipped.
 
-The shipped tower exercises the image path but does not see. Its run (600 steps of 8 images, 446 s
-on 2 cores; k3jax/weights/k3-tiny/training.json, "vision"): the colour word's loss fell from 2.94 to
-2.67 nats (means of the first and last 50 steps) and the reply's from 1.77 to 1.66, but greedy
+The shipped tower exercises the image path but does not see. Its run (600 steps of 8 images, 514 s
+on 2 cores; k3jax/weights/k3-tiny/training.json, "vision"): the colour word's loss fell from 4.41 to
+4.06 nats (means of the first and last 50 steps) and the reply's from 2.27 to 2.11, but greedy
 instant replies to 100 held-out images name no colour at all (`caption_accuracy`: 0.0 against chance
-0.25): all open 'The "import" statement i...'. The text model's replies do not yet depend on what
-the user's turn holds (README, "The embedded model"), so a few image embeddings in it barely steer
-them. Still, the tower's output changes the greedy reply with the image (after 31 tokens in
-tests/serve/test_server.py), which is what it is shipped for.
+0.25): they are four of the text model's answers about Python. The text model's replies do not yet
+depend on what the user's turn holds (README, "The embedded model"), so a few image embeddings in it
+barely steer them. Still, the tower's output changes the greedy reply with the image (from the first
+token in tests/serve/test_server.py), which is what it is shipped for.
 """
 
 from __future__ import annotations

@@ -116,14 +116,20 @@ def test_first_sentence_ends_at_the_first_full_stop_before_whitespace():
     assert corpus.first_sentence("is equivalent to:") == "is equivalent to."
 
 
+def kinds(title: str, body: str, question: str) -> list[corpus.Conversation]:
+    """One conversation of each kind about a topic, as `corpus.conversations` builds them."""
+    texts = {"tool": corpus.passages(body)[0]}
+    return [corpus.conversation(kind, title, texts.get(kind) or corpus.summary(title, body), question)
+            for kind in corpus.KINDS]
+
+
 def test_corpus_is_well_formed_k3_chat():
     """Every kind of conversation: the assistant's turn, parsed as the server parses a generation,
     gives back its reasoning, content and tool call, and ends with the message close."""
     tokenizer = corpus.byte_tokenizer(target.training_config(PRESETS["k3-tiny"]))
     title, body = corpus.topics()["if"]
-    passage = corpus.passages(body)[0]
-    assert 0 < len(passage) <= corpus.PASSAGE_CHARS
-    cases = [corpus.conversation(kind, title, passage, corpus.QUESTIONS[0]) for kind in corpus.KINDS]
+    assert 0 < len(corpus.passages(body)[0]) <= corpus.PASSAGE_CHARS
+    cases = kinds(title, body, corpus.QUESTIONS[0])
     for c in cases + [corpus.greeting(0, thinking=True)]:
         first_reply = c.messages[1]
         prompt = tokenize_messages(tokenizer, c.messages[:1], tools=c.tools, thinking=c.thinking)
@@ -143,24 +149,59 @@ def test_corpus_is_well_formed_k3_chat():
     assert questions and not questions & {m["content"] for c in train for m in c.messages[:1]}
 
 
+def test_each_topic_has_one_answer():
+    """Instant and thinking questions about a topic, in every wording, all get the topic's summary (a
+    sentence of its text), so an answer depends on the title asked; tool conversations return the
+    topic's first passages and answer with each one's first sentence; greetings are one in
+    GREETING_EVERY."""
+    found = corpus.topics()
+    bodies = {title: body for title, body in found.values()}
+    title, body = found["if"]
+    assert corpus.summary(title, body) in " ".join(corpus.passages(body))
+    fallback = corpus.summary("The x statement", "grammar ::= x")  # no plain sentence
+    assert fallback == "The x statement is a section of the Python language reference."
+    trained = corpus.conversations(False)
+    answers, results = {}, {}
+    for c in trained:
+        if c.topic is None:
+            continue
+        if c.tools:
+            results.setdefault(c.topic, []).append(c.messages[2]["content"])
+            assert c.messages[3]["content"] == corpus.first_sentence(c.messages[2]["content"])
+        else:
+            answers.setdefault(c.topic, set()).add(c.messages[1]["content"])
+    assert answers.keys() == results.keys() and len(answers) > 60
+    for topic, said in answers.items():
+        assert said == {corpus.summary(topic, bodies[topic])}
+        assert set(results[topic]) == set(corpus.passages(bodies[topic])[:corpus.TOOL_PASSAGES])  # "if" is also "else"
+    assert len(set(map(frozenset, answers.values()))) > 0.9 * len(answers)  # the topics' answers differ
+    greetings = sum(c.topic is None for c in trained)
+    assert greetings == len(trained) // corpus.GREETING_EVERY
+
+
 def test_reply_measures_on_the_corpus_own_replies():
-    """`closes_markers` and `names_topic` on each kind's reference reply (as the model would generate
-    it, through `<|end_of_msg|>`): each closes and names its topic; cut before the response channel
-    closes, or asked about another topic, it does not."""
+    """`closes_markers`, `recites` and (tool calls) `names_topic` on each kind's reference reply (as
+    the model would generate it, through `<|end_of_msg|>`): each holds; cut before the response
+    channel closes, answered with another topic's summary, or asked about another topic, it does not."""
     tokenizer = corpus.byte_tokenizer(target.training_config(PRESETS["k3-tiny"]))
     title, body = corpus.topics()["if"]
-    passage = corpus.passages(body)[0]
-    assert title.lower() in corpus.first_sentence(passage).lower()  # the free-text answers name the topic
-    for kind in corpus.KINDS:
-        c = corpus.conversation(kind, title, passage, corpus.QUESTIONS[1])
+    other = corpus.summary(*corpus.topics()["while"])
+    for c in kinds(title, body, corpus.QUESTIONS[1]) + [corpus.greeting(1, thinking=True)]:
         prompt, whole = len(c.prompt(tokenizer)), c.render(tokenizer)
         mask = c.reply_mask(tokenizer)[prompt:].cumprod(dtype=bool)
         reply = tokenizer.decode(np.asarray(whole)[prompt:][mask])
-        assert metrics.closes_markers(reply, "stop", c) and metrics.names_topic(reply, c), kind
+        kind = "tool" if c.tools else c.thinking
+        assert metrics.closes_markers(reply, "stop", c), kind
         assert not metrics.closes_markers(reply, "length", c)
         cut = reply[:reply.index("<|close|>response")] + "<|close|>message<|sep|><|end_of_msg|>"
-        assert not metrics.closes_markers(cut, "stop", c), kind
-        assert not metrics.names_topic(reply, dataclasses.replace(c, topic="The while statement")), kind
+        assert not metrics.closes_markers(cut, "stop", c) and not metrics.recites(cut, "stop", c), kind
+        if c.tools:
+            assert metrics.names_topic(reply, c)
+            assert not metrics.names_topic(reply, dataclasses.replace(c, topic="The while statement"))
+            continue
+        assert metrics.recites(reply, "stop", c), kind
+        wrong = reply.replace(c.messages[1]["content"], other)
+        assert metrics.closes_markers(wrong, "stop", c) and not metrics.recites(wrong, "stop", c), kind
 
 
 def test_quotes_result_on_the_corpus_own_answer():
@@ -190,9 +231,7 @@ def test_rows_hold_every_reply_token():
     conversations up to twice a row (the corpus' longest is 1769 tokens), the answers to tool results
     beyond the first `length` tokens included, is a target of some row."""
     tokenizer = corpus.byte_tokenizer(target.training_config(PRESETS["k3-tiny"]))
-    title, body = corpus.topics()["if"]
-    passage = corpus.passages(body)[0]
-    convs = [corpus.conversation(kind, title, passage, corpus.QUESTIONS[0]) for kind in corpus.KINDS]
+    convs = kinds(*corpus.topics()["if"], corpus.QUESTIONS[0])
     length = target.TrainOptions.length
     rows = corpus.Batches(convs, tokenizer, length, seed=0)
     rendered = [np.asarray(c.render(tokenizer)) for c in convs]
