@@ -156,7 +156,8 @@ def draft_stage(out: str, options: draft.DraftOptions) -> dict:
     last step's accuracy by block offset)."""
     # bf16: distilled from the fp32 target, the draft kept 6.0 drafts per window under an fp32 target
     # but 1.9 under the bf16 one (which leaves the fp32 continuations at near-ties); from the bf16
-    # target it keeps 4.9 and 5.3 (batch 1, benchmarks/dspark_speedup.py)
+    # target it keeps 4.9 under the fp32 target and 5.3 under the bf16 one (batch 1,
+    # benchmarks/dspark_speedup.py)
     target = from_pretrained(os.path.join(out, MODEL), dtype="bfloat16")
     cfg = DSparkConfig.from_dict(DRAFT_PRESETS[DRAFT])
     tokenizer = corpus.byte_tokenizer(training_config(PRESETS[MODEL]))

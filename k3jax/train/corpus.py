@@ -189,7 +189,8 @@ def conversations(held_out: bool, seed: int = 0) -> list[Conversation]:
     for i, (title, body) in enumerate(topics().values()):
         if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) != held_out:
             continue
-        out += [conversation(kind, title, summary(title, body), question)
+        answer = summary(title, body)
+        out += [conversation(kind, title, answer, question)
                 for question in QUESTIONS for kind in ("instant", "thinking")]
         out += [conversation("tool", title, passage, QUESTIONS[rng.integers(len(QUESTIONS))])
                 for passage in passages(body)[:TOOL_PASSAGES]]
