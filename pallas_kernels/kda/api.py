@@ -15,6 +15,8 @@
   "reference" or "pallas" (the Pallas-Triton kernels, pallas_triton.py; off a GPU they run in
   interpret mode, which is slow and only for tests). Pallas needs K and V powers of 2 of at least 16.
   pallas_kernels.dispatch says how "auto" chooses and how the kernels run per shard under a mesh.
+  On CPU, "auto" runs chunk_kda as the token scan while the states fit in cache (SCAN_STATE_VALUES);
+  impl="xla" always runs the chunked XLA form.
 - `**tuning`: keyword arguments of the Pallas kernel (chunk size, tile sizes, warps, stages: see
   pallas_triton.chunk_kda and fused_recurrent_kda, which hold the defaults); the other
   implementations take none and ignore them.
@@ -37,6 +39,11 @@ def _jit(fn):
 
 
 _RECURRENT = _jit(reference.recurrent_kda)
+# On CPU the token scan is the faster prefill while the states it carries (all sequences, fp32) fit in
+# cache, at any length; past that the chunked form's matmuls win on long prompts. Below a few hundred
+# tokens the chunked form's fixed cost, hundreds of small ops per layer, also dominates a serving
+# step's prefill of a short prompt (benchmarks/kda_chunked_vs_recurrent.py).
+SCAN_STATE_VALUES = 1 << 16
 # impl -> (chunked form, token-by-token form). The XLA token form is the reference scan: one fused
 # step per token is already the fastest XLA form for a handful of tokens.
 _IMPLS = {
@@ -49,9 +56,10 @@ _IMPLS = {
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               use_qk_l2norm_in_kernel=False, impl="auto", **tuning):
     """Chunked parallel form, for prefill. Returns (o [B, T, H, V], final_state [N, H, K, V] or None)."""
-    impl = _resolve(impl, q, v)
-    return _call(_IMPLS[impl][0], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel, tuning)
+    resolved = _resolve(impl, q, v)
+    form = 1 if impl == "auto" and resolved == "xla" and _scan_is_faster(q, v, cu_seqlens) else 0
+    return _call(_IMPLS[resolved][form], resolved, q, k, v, g, beta, scale, initial_state, output_final_state,
+                 cu_seqlens, use_qk_l2norm_in_kernel, tuning)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -60,6 +68,15 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
     impl = _resolve(impl, q, v)
     return _call(_IMPLS[impl][1], impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                  use_qk_l2norm_in_kernel, tuning)
+
+
+def _scan_is_faster(q, v, cu_seqlens) -> bool:
+    """Whether chunk_kda's "auto" runs the token scan: on CPU, with at most SCAN_STATE_VALUES state values.
+    Asked before _check: malformed shapes get its errors, not one from here."""
+    q_shape, cu_shape = jnp.shape(q), jnp.shape(cu_seqlens)
+    num_states = q_shape[0] if cu_seqlens is None else cu_shape[0] - 1 if cu_shape else 0
+    values = num_states * q_shape[-2] * q_shape[-1] * jnp.shape(v)[-1] if len(q_shape) == 4 else 0
+    return jax.default_backend() == "cpu" and values <= SCAN_STATE_VALUES
 
 
 def _resolve(impl, q, v):

@@ -13,8 +13,11 @@ the per-chunk algebra is batched over the step and only the state passing is an 
 its chunks. Inputs are cast, normalised and scaled as each step loads them. Batching over the
 whole sequence instead makes every intermediate as large as the sequence: on CPU such fresh
 buffers cost more in page faults than the arithmetic, and the steps bound the memory of long
-prompts. Even so, on a 2-core CPU the token scan (reference.py) is the faster XLA form at K = V = 64
-(benchmarks/kda_chunked_vs_recurrent.py): the chunked form does more arithmetic, in small matmuls.
+prompts. Even so, on a 2-core CPU the token scan (reference.py) is the faster XLA form while the states
+fit in cache (benchmarks/kda_chunked_vs_recurrent.py): the chunked form does more arithmetic, in small
+matmuls, and hundreds of small ops per layer cost more than a short prompt's tokens. So chunk_kda's
+impl="auto" takes the scan on CPU up to api.SCAN_STATE_VALUES of state; this form serves larger states
+(K3's heads per rank) and the other backends' XLA path.
 
 Every decay exponent is a sum of g over an interval of tokens, added up from pieces of one sign
 (_DecaySums): a difference of two cumulative sums would carry an error of |G| * eps, far above fp32

@@ -110,7 +110,7 @@ def test_k3_gates_fast_path():
     """K3's bounded gate g in (-5, 0): the chunked path's fast score split, near its exponent limit."""
     q, k, v, g, beta = inputs(T, seed=5)
     g = -5.0 / (1.0 + np.exp(-3.0 * np.random.default_rng(6).standard_normal(g.shape)))
-    o, s = chunk_kda(*f32(q, k, v, g, beta), output_final_state=True)
+    o, s = chunk_kda(*f32(q, k, v, g, beta), output_final_state=True, impl="xla")
     for b in range(B):
         ref_o, ref_s = numpy_kda(q[b], k[b], v[b], g[b], beta[b], K ** -0.5)
         assert_close(o[b], ref_o, FP32_REL)
@@ -152,11 +152,32 @@ def test_packed_sequences_equal_running_each_alone(fn, impl):
 def test_chunked_and_recurrent_agree_under_jit():
     q, k, v, g, beta = f32(*inputs(T, seed=10, unit_qk=False))
     s0 = jnp.asarray(np.random.default_rng(11).standard_normal((B, H, K, V)), jnp.float32)
-    kwargs = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    kwargs = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, impl="xla")
     o_c, s_c = jax.jit(lambda *a: chunk_kda(*a, **kwargs))(q, k, v, g, beta)
     o_r, s_r = jax.jit(lambda *a: fused_recurrent_kda(*a, **kwargs))(q, k, v, g, beta)
     assert_close(o_c, o_r, FP32_REL)
     assert_close(s_c, s_r, FP32_REL)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_auto_prefill_form_on_cpu_follows_the_state_size(packed, monkeypatch):
+    """On CPU, chunk_kda's "auto" is the token scan while the states fit api.SCAN_STATE_VALUES and the
+    chunked XLA form past it: bit for bit the one or the other, never a mix. States of B x H x K x V
+    = 2048 values here; the limit moves to either side of it."""
+    from pallas_kernels.kda import api
+
+    q, k, v, g, beta = f32(*inputs(T, seed=12))
+    kwargs = dict(output_final_state=True)
+    if packed:  # the states are one per packed sequence: two here, as the two rows unpacked
+        q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+        kwargs["cu_seqlens"] = jnp.asarray([0, T, 2 * T], jnp.int32)
+    scan = fused_recurrent_kda(q, k, v, g, beta, **kwargs)
+    chunked = chunk_kda(q, k, v, g, beta, impl="xla", **kwargs)
+    assert np.abs(np.asarray(scan[0]) - np.asarray(chunked[0])).max() > 0  # the two forms are told apart
+    for limit, expected in ((B * H * K * V, scan), (B * H * K * V - 1, chunked)):
+        monkeypatch.setattr(api, "SCAN_STATE_VALUES", limit)
+        for got, want in zip(chunk_kda(q, k, v, g, beta, **kwargs), expected):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
