@@ -73,9 +73,12 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
 def _scan_is_faster(q, v, cu_seqlens) -> bool:
     """Whether chunk_kda's "auto" runs the token scan: on CPU, with at most SCAN_STATE_VALUES state values.
     Asked before _check: malformed shapes get its errors, not one from here."""
-    q_shape, cu_shape = jnp.shape(q), jnp.shape(cu_seqlens)
-    num_states = q_shape[0] if cu_seqlens is None else cu_shape[0] - 1 if cu_shape else 0
-    values = num_states * q_shape[-2] * q_shape[-1] * jnp.shape(v)[-1] if len(q_shape) == 4 else 0
+    q_shape = jnp.shape(q)
+    if len(q_shape) != 4:
+        return True
+    cu_shape = None if cu_seqlens is None else jnp.shape(cu_seqlens)
+    num_states = q_shape[0] if cu_shape is None else cu_shape[0] - 1 if cu_shape else 0
+    values = num_states * q_shape[2] * q_shape[3] * jnp.shape(v)[-1]
     return jax.default_backend() == "cpu" and values <= SCAN_STATE_VALUES
 
 
