@@ -46,7 +46,7 @@ def main() -> None:
         o_r, s_r = recurrent(*args)
         assert np.allclose(o_c, o_r, atol=1e-4) and np.allclose(s_c, s_r, atol=1e-4), "the paths disagree"
         chunked_ms, recurrent_ms = (t / 1e3 for t in median_us([chunked, recurrent], args, REPEATS))
-        scan = heads * dim * dim <= api.SCAN_STATE_VALUES
+        scan = api.auto_runs_scan(args[0], args[2])  # q, v
         rows.append({"H": heads, "K=V": dim, "T": t, "chunked_ms": chunked_ms, "recurrent_ms": recurrent_ms,
                      "speedup": recurrent_ms / chunked_ms, "auto": "scan" if scan else "chunked"})
     report("kda_chunked_vs_recurrent", rows,

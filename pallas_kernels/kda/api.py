@@ -57,7 +57,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               use_qk_l2norm_in_kernel=False, impl="auto", **tuning):
     """Chunked parallel form, for prefill. Returns (o [B, T, H, V], final_state [N, H, K, V] or None)."""
     resolved = _resolve(impl, q, v)
-    form = 1 if impl == "auto" and resolved == "xla" and _scan_is_faster(q, v, cu_seqlens) else 0
+    form = 1 if impl == "auto" and resolved == "xla" and auto_runs_scan(q, v, cu_seqlens) else 0
     return _call(_IMPLS[resolved][form], resolved, q, k, v, g, beta, scale, initial_state, output_final_state,
                  cu_seqlens, use_qk_l2norm_in_kernel, tuning)
 
@@ -70,7 +70,7 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
                  use_qk_l2norm_in_kernel, tuning)
 
 
-def _scan_is_faster(q, v, cu_seqlens) -> bool:
+def auto_runs_scan(q, v, cu_seqlens=None) -> bool:
     """Whether chunk_kda's "auto" runs the token scan: on CPU, with at most SCAN_STATE_VALUES state values.
     Asked before _check: malformed shapes get its errors, not one from here."""
     q_shape = jnp.shape(q)
